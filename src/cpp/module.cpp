@@ -1,0 +1,24 @@
+// llamaprompt._core: llama.cpp's chat-template code, compiled from the pinned tree.
+// Each topic registers itself from its own file; this file only wires them up.
+#include "errors.h"
+
+#include "log.h"
+
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace llamaprompt {
+void register_template(py::module_ & m);
+}
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "llamaprompt's private extension: llama.cpp's chat code (do not import directly)";
+    m.attr("LLAMA_CPP_COMMIT") = LLAMAPROMPT_LLAMA_CPP_COMMIT;
+
+    // llama.cpp's common log is silent inside a library unless asked for
+    common_log_set_verbosity_thold(-1);
+
+    llamaprompt::register_errors(m);
+    llamaprompt::register_template(m);
+}

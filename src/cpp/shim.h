@@ -1,0 +1,69 @@
+// Accessors that reach upstream code kept private to a llama.cpp translation unit.
+//
+// Each shim_*.cpp compiles one upstream .cpp file inside a translation unit of ours
+// (so its static functions and private structs are in scope) and exports the few
+// functions declared here. None of them re-derives upstream logic: they call it.
+#pragma once
+
+#include "chat.h"
+#include "common.h"
+#include "server-common.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace llamaprompt {
+
+// ---- shim_chat.cpp (common/chat.cpp) --------------------------------------
+
+// Set the private common_chat_templates::add_bos/add_eos, which upstream fills only
+// from a model's vocab (llama_vocab_get_add_bos/eos) in common_chat_templates_init.
+void templates_set_add_bos_eos(common_chat_templates * tmpls, bool add_bos, bool add_eos);
+
+// The template common_chat_templates_apply_jinja would render with: the tool_use
+// variant when `with_tools` and the file has one, else the default template.
+const common_chat_template & templates_pick(const common_chat_templates * tmpls, bool with_tools);
+
+// render_message_to_json(msgs, caps): what the template receives as `messages`
+// (to_json_oaicompat per message, then messages_inp_normalizer for these caps).
+json render_messages(const std::vector<common_chat_msg> & msgs, const common_chat_template & tmpl);
+
+// ---- shim_server.cpp (tools/server/server-common.cpp) ---------------------
+
+// Per-call options that llama-server takes from its process (env, network).
+struct call_options {
+    std::string media_marker = "<__media__>";  // what get_media_marker() returns for this call
+    bool fetch_remote_media = false;          // let handle_media download http(s) URLs
+};
+
+// Everything one POST /apply-template (oaicompat_chat_params_parse) computes.
+struct apply_result {
+    json llama_params;               // the JSON object oaicompat_chat_params_parse returns
+    common_chat_params chat_params;  // what it got from common_chat_templates_apply
+    bool has_chat_params = false;
+};
+
+// Runs oaicompat_chat_params_parse(body, opt, files) and captures the
+// common_chat_params it computes. Throws what upstream throws.
+apply_result apply_request(json body, const server_chat_params & opt, const call_options & call);
+
+// Runs oaicompat_chat_params_parse only until it calls common_chat_templates_apply,
+// and returns the inputs it built (messages after media-part handling and parsing).
+common_chat_templates_inputs request_inputs(json body, const server_chat_params & opt, const call_options & call);
+
+// ---- shim_arg.cpp (common/arg.cpp) ----------------------------------------
+
+// Parse llama-server command-line flags with upstream's parser for LLAMA_EXAMPLE_SERVER
+// (common_params_parser_init + common_params_parse_ex, incl. its post-processing), without
+// exiting, without LLAMA_ARG_* environment variables, and rejecting flags that load a
+// model, a projector or a template or that print and exit. Throws std::invalid_argument.
+common_params parse_server_args(const std::vector<std::string> & args);
+
+// ---- shim_server.cpp -------------------------------------------------------
+
+// Fill server_chat_params as server-context.cpp's load_model() does for these params
+// and templates. Throws what common_chat_templates_support_enable_thinking throws.
+server_chat_params make_server_chat_params(const common_params & params, common_chat_templates_ptr tmpls);
+
+}  // namespace llamaprompt

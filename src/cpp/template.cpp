@@ -1,0 +1,176 @@
+// _core.Template: one chat template loaded as llama-server loads it, and the calls
+// llama-server makes with it (GET /props, POST /apply-template). JSON crosses the
+// boundary as text: common_json is not nlohmann, so Python's json does the rest.
+#include "errors.h"
+#include "shim.h"
+#include "text.h"
+
+#include <pybind11/stl.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace llamaprompt {
+
+namespace {
+
+// the request body, parsed as post_apply_template does (json::parse(req.body)): a
+// common_json_error is a std::runtime_error, so llama-server answers 500
+json parse_body(const std::string & text) {
+    return json::parse(text);
+}
+
+json trigger_to_json(const common_grammar_trigger & t) {
+    // the same fields server_grammar_trigger::to_json writes
+    json out = server_grammar_trigger(t).to_json();
+    return out;
+}
+
+json chat_params_to_json(const common_chat_params & p) {
+    json triggers = json::array();
+    for (const auto & t : p.grammar_triggers) {
+        triggers.push_back(trigger_to_json(t));
+    }
+    json out = json::object();
+    out["format"] = std::string(common_chat_format_name(p.format));
+    out["prompt"] = p.prompt;
+    out["grammar"] = p.grammar;
+    out["grammar_lazy"] = p.grammar_lazy;
+    out["grammar_triggers"] = triggers;
+    out["preserved_tokens"] = p.preserved_tokens;
+    out["additional_stops"] = p.additional_stops;
+    out["generation_prompt"] = p.generation_prompt;
+    out["supports_thinking"] = p.supports_thinking;
+    out["thinking_start_tag"] = p.thinking_start_tag;
+    out["thinking_end_tags"] = p.thinking_end_tags;
+    out["parser"] = p.parser;
+    out["message_delimiters"] = p.message_delimiters.to_json();
+    return out;
+}
+
+}  // namespace
+
+class core_template {
+  public:
+    core_template(const std::string & source, const std::string & bos_token, const std::string & eos_token,
+                  bool add_bos, bool add_eos, const std::vector<std::string> & server_args,
+                  const std::string & media_marker, bool fetch_remote_media) {
+        call_.media_marker = media_marker;
+        call_.fetch_remote_media = fetch_remote_media;
+        bos_token_ = bos_token;
+        eos_token_ = eos_token;
+
+        common_params params;
+        try {
+            py::gil_scoped_release nogil;
+            params = parse_server_args(server_args);
+        } catch (const std::exception & e) {
+            throw error(error_kind::server_args, 0, e.what());
+        }
+        if (source.empty()) {
+            // common_chat_templates_init would take the model's template (GGML_ASSERT(model))
+            throw error(error_kind::template_, 0, "the chat template is empty");
+        }
+        try {
+            py::gil_scoped_release nogil;
+            // as llama-server does in load_model(): common_chat_templates_init(model, params.chat_template)
+            // with the template given as --chat-template-file; the BOS/EOS text and add_bos/add_eos come
+            // from the caller instead of a model vocab
+            common_chat_templates_ptr tmpls = common_chat_templates_init(nullptr, source, bos_token, eos_token);
+            templates_set_add_bos_eos(tmpls.get(), add_bos, add_eos);
+            opt_ = make_server_chat_params(params, std::move(tmpls));
+        } catch (const std::exception & e) {
+            throw error(error_kind::template_, 0, e.what());
+        }
+        use_jinja_ = params.use_jinja;
+    }
+
+    std::map<std::string, bool> caps() const { return common_chat_templates_get_caps(opt_.tmpls.get()); }
+
+    std::string source(const std::string & variant) const {
+        return common_chat_templates_source(opt_.tmpls.get(), variant);
+    }
+
+    bool enable_thinking() const { return opt_.enable_thinking; }
+
+    // the chat-template part of GET /props (get_res_props in server-context.cpp)
+    py::object props() const {
+        json props = json::object();
+        props["chat_template"] = source("");
+        json caps_json = json::object();
+        for (const auto & [k, v] : caps()) {
+            caps_json[k] = v;
+        }
+        props["chat_template_caps"] = caps_json;
+        props["bos_token"] = bos_token_;
+        props["eos_token"] = eos_token_;
+        props["media_marker"] = call_.media_marker;
+        const std::string tool_use = source("tool_use");
+        if (use_jinja_ && !tool_use.empty()) {
+            props["chat_template_tool_use"] = tool_use;
+        }
+        return json_to_py(props);
+    }
+
+    // POST /apply-template: the prompt
+    py::object apply_template(const std::string & body_text) const {
+        std::string prompt = call_upstream([&]() {
+            json body = parse_body(body_text);
+            apply_result res = apply_request(std::move(body), opt_, call_);
+            return res.llama_params.at("prompt").get<std::string>();
+        });
+        return text_to_py(prompt);
+    }
+
+    // the same call, everything it computes
+    py::object apply(const std::string & body_text) const {
+        std::string out = call_upstream([&]() {
+            json body = parse_body(body_text);
+            apply_result res = apply_request(std::move(body), opt_, call_);
+            json result = json::object();
+            result["llama_params"] = res.llama_params;
+            result["chat_params"] = chat_params_to_json(res.chat_params);
+            return result.dump();
+        });
+        return json_text_to_py(out);
+    }
+
+    // what the template receives as `messages` for this request's messages
+    py::object normalize(const std::string & body_text) const {
+        std::string out = call_upstream([&]() {
+            json body = parse_body(body_text);
+            common_chat_templates_inputs inputs = request_inputs(std::move(body), opt_, call_);
+            const bool with_tools = !inputs.tools.empty();
+            return render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)).dump();
+        });
+        return json_text_to_py(out);
+    }
+
+  private:
+    server_chat_params opt_;
+    call_options call_;
+    std::string bos_token_;
+    std::string eos_token_;
+    bool use_jinja_ = true;
+};
+
+void register_template(py::module_ & m) {
+    py::class_<core_template>(m, "Template")
+        .def(py::init<const std::string &, const std::string &, const std::string &, bool, bool,
+                      const std::vector<std::string> &, const std::string &, bool>(),
+             py::arg("source"), py::arg("bos_token"), py::arg("eos_token"), py::arg("add_bos"),
+             py::arg("add_eos"), py::arg("server_args"), py::arg("media_marker"), py::arg("fetch_remote_media"))
+        .def("caps", &core_template::caps)
+        .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); })
+        .def("enable_thinking", &core_template::enable_thinking)
+        .def("props", &core_template::props)
+        .def("apply_template", &core_template::apply_template, py::arg("body"))
+        .def("apply", &core_template::apply, py::arg("body"))
+        .def("normalize", &core_template::normalize, py::arg("body"));
+}
+
+}  // namespace llamaprompt

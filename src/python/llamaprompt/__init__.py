@@ -1,0 +1,35 @@
+"""llamaprompt: llama.cpp's own chat-template code, importable from Python.
+
+Get exactly the prompt llama-server's ``POST /apply-template`` returns, the
+``chat_template_caps`` its ``GET /props`` reports and the messages its templates
+receive -- with no model weights, no server and no GPU.
+
+    >>> import llamaprompt
+    >>> t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    >>> t.apply_template({"messages": [{"role": "user", "content": "Hello"}]})
+    '<|im_start|>user\\nHello<|im_end|>\\n<|im_start|>assistant\\n'
+"""
+
+from __future__ import annotations
+
+from ._core import LLAMA_CPP_COMMIT
+from ._version import __version__
+from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
+from .params import ChatParams
+from .pinned import pinned_template, pinned_templates
+from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+
+__all__ = [
+    "LLAMA_CPP_COMMIT",
+    "__version__",
+    "ChatTemplate",
+    "ChatParams",
+    "DEFAULT_MEDIA_MARKER",
+    "Error",
+    "RequestError",
+    "TemplateError",
+    "ServerArgsError",
+    "GGUFError",
+    "pinned_template",
+    "pinned_templates",
+]

@@ -1,0 +1,181 @@
+"""The ``llamaprompt`` command line.
+
+    llamaprompt render [--template FILE] [options] [REQUEST.json | -] [-- llama-server flags]
+    llamaprompt caps [--template FILE] [options]
+    llamaprompt props [--template FILE] [options]
+    llamaprompt normalize [--template FILE] [options] MESSAGES.json
+
+llama-server flags go after ``--`` (or one by one with ``--server-arg=FLAG``), e.g.
+``llamaprompt render --template T req.json -- --reasoning off``. Errors from llama.cpp
+print its message on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import LLAMA_CPP_COMMIT, __version__
+from .errors import Error, RequestError
+from .pinned import DEFAULT_TEMPLATE, pinned_template
+from .samples import SAMPLE_REQUEST
+from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+
+__all__ = ["main"]
+
+
+def _template_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("template (as llama-server loads it)")
+    g.add_argument(
+        "--template",
+        "-t",
+        metavar="FILE",
+        help=f"Jinja chat template file, as --chat-template-file (default: the pinned tree's {DEFAULT_TEMPLATE})",
+    )
+    g.add_argument("--bos-token", default="", metavar="S", help="BOS token text (default: empty)")
+    g.add_argument("--eos-token", default="", metavar="S", help="EOS token text (default: empty)")
+    g.add_argument("--add-bos", action="store_true", help="the vocab adds BOS: strip one leading BOS from the prompt")
+    g.add_argument("--add-eos", action="store_true", help="the vocab adds EOS: strip one trailing EOS from the prompt")
+    g.add_argument(
+        "--media-marker",
+        default=DEFAULT_MEDIA_MARKER,
+        metavar="S",
+        help=f"text that media parts become (default: {DEFAULT_MEDIA_MARKER})",
+    )
+    g.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one llama-server flag or value (repeatable; write --server-arg=--flag); "
+        "flags after a bare -- are added too",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llamaprompt",
+        description="llama.cpp's own chat-template code: llama-server's exact prompts, caps and "
+        "normalized messages, with no model and no server.",
+        epilog="llama-server flags go after --, e.g.: llamaprompt render -t T.jinja req.json -- --reasoning off",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"llamaprompt {__version__} (llama.cpp {LLAMA_CPP_COMMIT})"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "render",
+        help="print the prompt POST /apply-template returns (exact bytes)",
+        description="Print the prompt llama-server's POST /apply-template returns for a request "
+        "body, byte for byte, with no trailing newline added. With no request, "
+        "renders a built-in sample (system, tools, a tool call and its result).",
+    )
+    _template_options(p)
+    p.add_argument(
+        "request",
+        nargs="?",
+        metavar="REQUEST.json",
+        help="request body file, or - for stdin (default: the built-in sample)",
+    )
+    p.add_argument(
+        "--params",
+        action="store_true",
+        help="print everything the call computes (chat format, grammar, triggers, ...) as JSON",
+    )
+
+    p = sub.add_parser("caps", help="print chat_template_caps as GET /props reports them")
+    _template_options(p)
+
+    p = sub.add_parser("props", help="print the chat-template part of GET /props")
+    _template_options(p)
+
+    p = sub.add_parser(
+        "normalize",
+        help="print the messages the template receives",
+        description="Print the messages llama.cpp hands the template (after "
+        "messages_inp_normalizer for its caps) for OpenAI-form messages: "
+        "a JSON list, or an object with 'messages' (and optional 'tools').",
+    )
+    _template_options(p)
+    p.add_argument("messages", metavar="MESSAGES.json", help="messages file, or - for stdin")
+    return parser
+
+
+def _read_bytes(path: str) -> bytes:
+    if path == "-":
+        return sys.stdin.buffer.read()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_json(path: str) -> Any:
+    try:
+        return json.loads(_read_bytes(path))
+    except ValueError as e:
+        raise RequestError(f"{path}: not valid JSON: {e}") from None
+
+
+def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
+    path = args.template or pinned_template(DEFAULT_TEMPLATE)
+    return ChatTemplate.from_file(
+        path,
+        bos_token=args.bos_token,
+        eos_token=args.eos_token,
+        add_bos=args.add_bos,
+        add_eos=args.add_eos,
+        media_marker=args.media_marker,
+        server_args=[*args.server_arg, *server_args],
+    )
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 2 llama.cpp rejected the input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, server_args = argv[:i], argv[i + 1 :]
+    args = _parser().parse_args(argv)
+    try:
+        template = _load(args, server_args)
+        if args.command == "render":
+            # the body goes to llama.cpp as bytes, parsed there as llama-server parses it
+            request = SAMPLE_REQUEST if args.request is None else _read_bytes(args.request)
+            if args.params:
+                params = template.apply(request)
+                out = {k: v for k, v in vars(params).items()}
+                _print_json(out)
+            else:
+                prompt = template.apply_template(request)
+                sys.stdout.buffer.write(prompt.encode("utf-8", "surrogateescape"))
+                sys.stdout.flush()
+        elif args.command == "caps":
+            _print_json(template.caps)
+        elif args.command == "props":
+            _print_json(template.props())
+        elif args.command == "normalize":
+            data = _read_json(args.messages)
+            if isinstance(data, dict):
+                _print_json(template.normalize(data.get("messages", []), tools=data.get("tools")))
+            else:
+                _print_json(template.normalize(data))
+    except Error as e:
+        status = f" (HTTP {e.status})" if e.status else ""
+        print(f"llamaprompt: {type(e).__name__}{status}: {e.message}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"llamaprompt: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

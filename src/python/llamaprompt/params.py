@@ -1,0 +1,57 @@
+"""ChatParams: everything one chat request makes llama.cpp compute (common_chat_params)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ChatParams"]
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    """The result of ``common_chat_templates_apply`` for one request, as llama-server
+    computes it in ``oaicompat_chat_params_parse`` (tools/server/server-common.cpp).
+
+    Attributes:
+        prompt: the prompt text, identical to POST /apply-template's ``prompt``.
+        format: the chat format name (``common_chat_format_name``), e.g. ``"peg-native"``.
+        grammar: the GBNF grammar constraining the output ("" when none).
+        grammar_lazy: whether the grammar only applies after a trigger.
+        grammar_triggers: list of ``{"type": int, "value": str[, "token": int]}`` as the
+            server serializes ``common_grammar_trigger``.
+        preserved_tokens: tokens the sampler must keep whole.
+        additional_stops: stop strings the template adds.
+        generation_prompt: the text the generation prompt appends (e.g. ``"<think>\\n"``).
+        supports_thinking: whether this request's template reasons.
+        thinking_start_tag / thinking_end_tags: reasoning delimiters.
+        parser: the serialized PEG parser for the model's output ("" for none).
+        message_delimiters: role delimiters, as llama-server serializes them.
+        llama_params: the whole JSON object ``oaicompat_chat_params_parse`` returns
+            (stop list, chat_format id, reasoning budget fields and the request's own keys).
+    """
+
+    prompt: str
+    format: str
+    grammar: str
+    grammar_lazy: bool
+    grammar_triggers: list[dict[str, Any]]
+    preserved_tokens: list[str]
+    additional_stops: list[str]
+    generation_prompt: str
+    supports_thinking: bool
+    thinking_start_tag: str
+    thinking_end_tags: list[str]
+    parser: str
+    message_delimiters: Any
+    llama_params: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def _from_core(cls, result: dict[str, Any]) -> ChatParams:
+        chat = result["chat_params"]
+        return cls(llama_params=result["llama_params"], **chat)
+
+    @property
+    def stop(self) -> list[str]:
+        """The stop strings llama-server would use: the request's ``stop`` plus additional stops."""
+        return list(self.llama_params.get("stop", []))

@@ -1,0 +1,30 @@
+"""The templates of the pinned llama.cpp tree (models/templates/*.jinja), shipped in the
+package so that examples, the CLI default and tests need no checkout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["pinned_template", "pinned_templates", "DEFAULT_TEMPLATE"]
+
+_DIR = Path(__file__).resolve().parent / "templates"
+
+#: The template ``llamaprompt render`` uses when none is given.
+DEFAULT_TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
+
+
+def pinned_templates() -> list[Path]:
+    """Paths of every ``*.jinja`` template shipped from the pinned tree, sorted by name."""
+    return sorted(_DIR.glob("*.jinja"))
+
+
+def pinned_template(name: str = DEFAULT_TEMPLATE) -> Path:
+    """Path of one shipped template, by file name (``.jinja`` may be omitted).
+
+    Raises FileNotFoundError (listing what exists) for an unknown name.
+    """
+    path = _DIR / (name if name.endswith(".jinja") else name + ".jinja")
+    if not path.is_file():
+        names = ", ".join(p.name for p in pinned_templates())
+        raise FileNotFoundError(f"no pinned template {name!r}; available: {names}")
+    return path

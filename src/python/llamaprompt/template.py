@@ -1,0 +1,229 @@
+"""ChatTemplate: one chat template, loaded and applied by llama.cpp's own code."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
+from . import _core
+from .params import ChatParams
+
+__all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "Request"]
+
+#: The media marker llamaprompt pins by default (llama-server draws a random one per
+#: process unless LLAMA_MEDIA_MARKER is set; the reference fixtures use this one).
+DEFAULT_MEDIA_MARKER = "<__media__>"
+
+#: A request body: a JSON object (mapping) or its JSON text.
+Request = Union[Mapping[str, Any], str, bytes]
+
+
+def _utf8(text: str | bytes) -> bytes:
+    if isinstance(text, bytes):
+        return text
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _body(request: Request) -> bytes:
+    if isinstance(request, (str, bytes)):
+        return _utf8(request)
+    if not isinstance(request, Mapping):
+        raise TypeError(f"request must be a mapping or JSON text, not {type(request).__name__}")
+    return json.dumps(request, ensure_ascii=False).encode("utf-8", "surrogateescape")
+
+
+class ChatTemplate:
+    """A chat template as llama-server loads it with ``--jinja --chat-template-file``.
+
+    Every decision is llama.cpp's (pinned commit: :data:`llamaprompt.LLAMA_CPP_COMMIT`):
+    the template is parsed by ``common_chat_templates_init``, requests go through the
+    server's ``oaicompat_chat_params_parse`` and ``common_chat_templates_apply``.
+
+    Args:
+        source: the Jinja template text (str, or UTF-8 bytes as read from a file).
+        bos_token: BOS token text (llama-server takes it from the model's vocab).
+        eos_token: EOS token text.
+        add_bos: the vocab's add_bos flag: when true, one leading ``bos_token`` is
+            stripped from rendered prompts (the tokenizer adds it back).
+        add_eos: the vocab's add_eos flag: when true, one trailing ``eos_token`` is stripped.
+        server_args: llama-server command-line flags, parsed by llama.cpp's own parser
+            (``common_params_parse`` for LLAMA_EXAMPLE_SERVER), e.g.
+            ``["--reasoning", "off"]``, ``["--chat-template-kwargs", '{"x": 1}']``,
+            ``["--no-prefill-assistant"]``, ``["--reasoning-format", "none"]``.
+            Flags that load a model, projector or template, or print and exit, are refused.
+            ``LLAMA_ARG_*`` environment variables are ignored.
+        media_marker: the text image/audio/video parts become (``get_media_marker()``).
+        fetch_remote_media: llama-server downloads ``http(s)`` media URLs; llamaprompt
+            does not unless this is true (the prompt is the same either way when the
+            download succeeds).
+
+    Raises:
+        TemplateError: the template cannot be parsed (llama-server would not start),
+            or rendering the probe request llama-server makes at load time fails.
+        ServerArgsError: a ``server_args`` flag is unknown, malformed or not accepted.
+
+    A ChatTemplate is immutable and safe to share between threads; the GIL is released
+    while llama.cpp works.
+    """
+
+    def __init__(
+        self,
+        source: str | bytes,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        add_bos: bool = False,
+        add_eos: bool = False,
+        server_args: Sequence[str] = (),
+        media_marker: str = DEFAULT_MEDIA_MARKER,
+        fetch_remote_media: bool = False,
+    ) -> None:
+        if not isinstance(source, (str, bytes)):
+            raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
+        if isinstance(server_args, (str, bytes)):
+            raise TypeError("server_args must be a sequence of strings, e.g. ['--reasoning', 'off']")
+        args = [str(a) for a in server_args]
+        self._options: dict[str, Any] = {
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+            "add_bos": bool(add_bos),
+            "add_eos": bool(add_eos),
+            "server_args": tuple(args),
+            "media_marker": media_marker,
+            "fetch_remote_media": bool(fetch_remote_media),
+        }
+        self._input_source = source
+        self._core = _core.Template(
+            _utf8(source),
+            _utf8(bos_token),
+            _utf8(eos_token),
+            bool(add_bos),
+            bool(add_eos),
+            args,
+            _utf8(media_marker),
+            bool(fetch_remote_media),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **options: Any) -> ChatTemplate:
+        """Load a template file, as ``llama-server --chat-template-file PATH``.
+
+        Takes the same keyword options as the constructor. Raises ``OSError`` when the
+        file cannot be read, and what the constructor raises.
+        """
+        with open(path, "rb") as f:
+            data = f.read()
+        return cls(data, **options)
+
+    # -- what GET /props reports --------------------------------------------------------
+
+    @property
+    def caps(self) -> dict[str, bool]:
+        """``chat_template_caps`` exactly as GET /props reports them
+        (``common_chat_templates_get_caps``: the tool_use variant's caps when there is one).
+        """
+        return dict(self._core.caps())
+
+    @property
+    def source(self) -> str:
+        """The template text as GET /props ``chat_template`` returns it: llama.cpp's
+        lexer copy after its load-time patches (CRLF -> LF, one trailing newline dropped)."""
+        return self._core.source("")
+
+    @property
+    def tool_use_source(self) -> str | None:
+        """The ``tool_use`` variant's text (GET /props ``chat_template_tool_use``), or None."""
+        text = self._core.source("tool_use")
+        return text or None
+
+    @property
+    def bos_token(self) -> str:
+        """The BOS token text given at construction."""
+        return self._options["bos_token"]
+
+    @property
+    def eos_token(self) -> str:
+        """The EOS token text given at construction."""
+        return self._options["eos_token"]
+
+    @property
+    def add_bos(self) -> bool:
+        return self._options["add_bos"]
+
+    @property
+    def add_eos(self) -> bool:
+        return self._options["add_eos"]
+
+    @property
+    def server_args(self) -> tuple[str, ...]:
+        return self._options["server_args"]
+
+    @property
+    def media_marker(self) -> str:
+        return self._options["media_marker"]
+
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether llama-server enables thinking for this template by default:
+        ``enable_reasoning != 0 && common_chat_templates_support_enable_thinking(...)``
+        (so ``False`` under ``--reasoning off``)."""
+        return bool(self._core.enable_thinking())
+
+    def props(self) -> dict[str, Any]:
+        """The chat-template part of GET /props: ``chat_template``,
+        ``chat_template_tool_use`` (when present), ``chat_template_caps``, ``bos_token``,
+        ``eos_token``, ``media_marker``."""
+        return self._core.props()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def apply_template(self, request: Request) -> str:
+        """The prompt POST /apply-template returns for this request body.
+
+        Args:
+            request: an OpenAI chat request body (``messages``, ``tools``, ``tool_choice``,
+                ``chat_template_kwargs``, ``reasoning_effort``, ``add_generation_prompt``,
+                ``continue_final_message``, ``response_format`` ...) as a mapping or JSON text.
+                Image, audio and video parts become the media marker.
+
+        Returns:
+            The prompt (str). Bytes that are not valid UTF-8 are kept as surrogate escapes.
+
+        Raises:
+            RequestError: llama-server would answer 400.
+            TemplateError: llama-server would answer 500 (e.g. the template raised).
+        """
+        return self._core.apply_template(_body(request))
+
+    def apply(self, request: Request) -> ChatParams:
+        """Everything the same call computes (``common_chat_params``): prompt, chat format,
+        grammar, triggers, preserved tokens, stops, generation prompt, thinking tags, parser.
+
+        Raises the same errors as :meth:`apply_template`.
+        """
+        return ChatParams._from_core(self._core.apply(_body(request)))
+
+    def normalize(
+        self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The ``messages`` value the template receives, for OpenAI-form messages.
+
+        The messages go through llama-server's request handling (media parts become
+        media-marker parts), ``common_chat_msgs_parse_oaicompat``, ``to_json_oaicompat`` and
+        ``messages_inp_normalizer`` for this template's caps: typed-only templates get
+        string content as ``[{"type": "text", ...}]``, string-only templates get content
+        parts joined into one string. With ``tools``, the template that requests with tools
+        use (the ``tool_use`` variant when present) decides.
+
+        Raises RequestError / TemplateError as :meth:`apply_template` would.
+        """
+        body: dict[str, Any] = {"messages": list(messages)}
+        if tools:
+            body["tools"] = list(tools)
+        return self._core.normalize(_body(body))
+
+    def __repr__(self) -> str:
+        head = self.source[:40].replace("\n", "\\n")
+        return f"ChatTemplate({head!r}..., server_args={list(self.server_args)!r})"

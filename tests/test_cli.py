@@ -1,0 +1,88 @@
+"""The llamaprompt command line, run as a user would (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import llamaprompt
+from conftest import load_reference
+
+CLI = [sys.executable, "-m", "llamaprompt.cli"]
+
+
+def run(*args, input=None):
+    return subprocess.run([*CLI, *args], input=input, capture_output=True)
+
+
+def test_render_default_sample():
+    proc = run("render")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.decode()
+    assert out.startswith("<|im_start|>system\nYou are a helpful assistant.")
+    assert "get_weather" in out
+    assert out.endswith("<|im_start|>assistant\n")  # exact bytes: no newline added
+
+
+def test_render_matches_reference(tmp_path):
+    ref = load_reference("apply_template.json")
+    case = ref["variants"][0]["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["tools_question"]
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(ref["requests"]["tools_question"]))
+    template = str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    proc = run("render", "--template", template, "--bos-token", "<s>", "--eos-token", "</s>", "--add-bos", str(req))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode() == case["prompt"]
+
+
+def test_render_stdin_and_server_args_after_dashes():
+    ref = load_reference("apply_template_server_args.json")
+    variant = next(v for v in ref["variants"] if v["server_args"] == ["--reasoning", "off"])
+    case = variant["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["basic"]
+    template = str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    body = json.dumps(ref["requests"]["basic"]).encode()
+    proc = run("render", "-t", template, "-", "--", "--reasoning", "off", input=body)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode() == case["prompt"]
+
+
+def test_caps_and_props():
+    ref = load_reference("apply_template.json")
+    template = str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    proc = run("caps", "--template", template)
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout) == ref["variants"][0]["templates"]["Qwen-Qwen3-0.6B.jinja"]["caps"]
+    proc = run("props", "--template", template, "--bos-token", "<s>")
+    assert json.loads(proc.stdout)["bos_token"] == "<s>"
+
+
+def test_normalize(tmp_path):
+    msgs = tmp_path / "m.json"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    msgs.write_text(json.dumps([{"role": "user", "content": parts}]))
+    proc = run("normalize", "--template", str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")), str(msgs))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [{"role": "user", "content": "a\nb"}]
+
+
+def test_errors_exit_2(tmp_path):
+    req = tmp_path / "bad.json"
+    req.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}))
+    proc = run("render", str(req))
+    assert proc.returncode == 2
+    assert b"Expected 'content' to be a string or an array" in proc.stderr
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% if %}")
+    proc = run("render", "--template", str(bad))
+    assert proc.returncode == 2 and b"TemplateError" in proc.stderr
+    proc = run("render", "--", "--no-such-flag")
+    assert proc.returncode == 2 and b"invalid argument" in proc.stderr
+    proc = run("render", "--template", str(tmp_path / "missing.jinja"))
+    assert proc.returncode == 2
+
+
+def test_help_and_version():
+    assert run("--help").returncode == 0
+    proc = run("--version")
+    assert proc.returncode == 0 and llamaprompt.LLAMA_CPP_COMMIT.encode() in proc.stdout

@@ -1,0 +1,113 @@
+"""Bad templates, requests and server_args raise typed errors with llama.cpp's message."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import llamaprompt
+
+
+def test_unparsable_template_raises_at_construction():
+    with pytest.raises(llamaprompt.TemplateError) as info:
+        llamaprompt.ChatTemplate("{% for m in messages %}{{ m['content'] }")
+    assert info.value.status is None
+    assert str(info.value)
+
+
+def test_empty_template():
+    with pytest.raises(llamaprompt.TemplateError, match="empty"):
+        llamaprompt.ChatTemplate("")
+
+
+def test_template_that_raises():
+    tmpl = llamaprompt.ChatTemplate(
+        "{% for m in messages %}{% if m['role'] == 'user' and m['content'] == 'boom' %}"
+        "{{ raise_exception('no boom allowed') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    assert tmpl.apply_template({"messages": [{"role": "user", "content": "fine"}]}) == "fine"
+    # the render runs inside common_chat_templates_apply_jinja's autoparser block, which
+    # rethrows every failure as std::invalid_argument: llama-server answers 400
+    with pytest.raises(llamaprompt.RequestError) as info:
+        tmpl.apply_template({"messages": [{"role": "user", "content": "boom"}]})
+    assert info.value.status == 400
+    assert info.value.message.startswith("Unable to generate parser for this template.")
+    assert "Jinja Exception: no boom allowed" in info.value.message
+
+
+def test_unparsable_messages_are_a_500(qwen3):
+    with pytest.raises(llamaprompt.TemplateError) as info:
+        qwen3.apply_template({"messages": [{"content": "no role"}]})
+    assert info.value.status == 500
+    assert info.value.message.startswith("Failed to parse messages: Missing 'role'")
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_request_errors_are_400(qwen3):
+    with pytest.raises(llamaprompt.RequestError) as info:
+        qwen3.apply_template({"model": "x"})
+    assert info.value.status == 400
+    assert info.value.message == "'messages' is required"
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(llamaprompt.RequestError, match="Expected 'messages' to be an array"):
+        qwen3.apply_template({"messages": "hi"})
+    with pytest.raises(llamaprompt.RequestError, match="Invalid tool_choice"):
+        qwen3.apply_template({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"})
+
+
+def test_invalid_json_body_is_a_500(qwen3):
+    # llama-server's json::parse of the HTTP body throws a non-invalid_argument error
+    with pytest.raises(llamaprompt.TemplateError) as info:
+        qwen3.apply_template(b'{"messages": [')
+    assert info.value.status == 500
+
+
+def test_request_type_checked(qwen3):
+    with pytest.raises(TypeError):
+        qwen3.apply_template(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--no-such-flag"],
+        ["--reasoning"],  # missing value
+        ["--reasoning", "sometimes"],
+        ["--chat-template-kwargs", "{not json"],
+    ],
+)
+def test_bad_server_args(args):
+    with pytest.raises(llamaprompt.ServerArgsError):
+        llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template(), server_args=args)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["--version"],
+        ["--list-devices"],
+        ["-cl"],
+        ["-m", "model.gguf"],
+        ["--mmproj", "p.gguf"],
+        ["--chat-template", "chatml"],
+    ],
+)
+def test_refused_server_args(args):
+    # these would print and exit(), or load a model/template, inside llama-server
+    with pytest.raises(llamaprompt.ServerArgsError):
+        llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template(), server_args=args)
+
+
+def test_server_args_environment_is_ignored(monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_THINK", "off")  # --reasoning's variable
+    monkeypatch.setenv("LLAMA_ARG_REASONING", "off")
+    tmpl = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    assert tmpl.supports_thinking is True
+
+
+def test_errors_pickle():
+    e = llamaprompt.RequestError("bad", 400)
+    e2 = pickle.loads(pickle.dumps(e))
+    assert type(e2) is llamaprompt.RequestError and e2.status == 400 and e2.message == "bad"
