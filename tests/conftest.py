@@ -53,6 +53,23 @@ def mask_dates(prompt: str, rendered_on: str) -> str:
     return prompt
 
 
+def llama_cpp_models_dir() -> Path | None:
+    """models/ of the llama.cpp tree the package was built from (the vocab GGUFs live there)."""
+    env = os.environ.get("LLAMAPROMPT_LLAMA_CPP_DIR")
+    for base in ([Path(env)] if env else []) + [REPO / "third_party" / "llama.cpp"]:
+        if (base / "models").is_dir():
+            return base / "models"
+    return None
+
+
+def vocab_gguf(name: str) -> Path:
+    models = llama_cpp_models_dir()
+    path = models / name if models else None
+    if path is None or not path.exists():
+        pytest.skip(f"{name} not found (third_party/llama.cpp is filled by the build)")
+    return path
+
+
 def template_path(name: str) -> Path:
     return llamaprompt.pinned_template(name)
 

@@ -1,6 +1,9 @@
 // llamaprompt._core: llama.cpp's chat-template code, compiled from the pinned tree.
 // Each topic registers itself from its own file; this file only wires them up.
 #include "errors.h"
+#include "logging.h"
+
+#include "llama.h"
 
 #include "log.h"
 
@@ -10,6 +13,7 @@ namespace py = pybind11;
 
 namespace llamaprompt {
 void register_template(py::module_ & m);
+void register_model(py::module_ & m);
 }
 
 PYBIND11_MODULE(_core, m) {
@@ -18,7 +22,11 @@ PYBIND11_MODULE(_core, m) {
 
     // llama.cpp's common log is silent inside a library unless asked for
     common_log_set_verbosity_thold(-1);
+    // llama.cpp / ggml logs go to Python's logging ("llamaprompt.llama_cpp"), never stderr
+    llamaprompt::install_log_callback();
+    llama_backend_init();
 
     llamaprompt::register_errors(m);
     llamaprompt::register_template(m);
+    llamaprompt::register_model(m);
 }

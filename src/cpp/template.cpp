@@ -2,6 +2,8 @@
 // llama-server makes with it (GET /props, POST /apply-template). JSON crosses the
 // boundary as text: common_json is not nlohmann, so Python's json does the rest.
 #include "errors.h"
+#include "logging.h"
+#include "model.h"
 #include "shim.h"
 #include "text.h"
 
@@ -56,37 +58,39 @@ json chat_params_to_json(const common_chat_params & p) {
 
 class core_template {
   public:
+    // a template given as text (llama-server --chat-template-file), BOS/EOS and
+    // add_bos/add_eos given by the caller instead of a model's vocab
     core_template(const std::string & source, const std::string & bos_token, const std::string & eos_token,
                   bool add_bos, bool add_eos, const std::vector<std::string> & server_args,
                   const std::string & media_marker, bool fetch_remote_media) {
-        call_.media_marker = media_marker;
-        call_.fetch_remote_media = fetch_remote_media;
-        bos_token_ = bos_token;
-        eos_token_ = eos_token;
-
-        common_params params;
-        try {
-            py::gil_scoped_release nogil;
-            params = parse_server_args(server_args);
-        } catch (const std::exception & e) {
-            throw error(error_kind::server_args, 0, e.what());
-        }
+        common_params params = parse_args(server_args);
         if (source.empty()) {
             // common_chat_templates_init would take the model's template (GGML_ASSERT(model))
             throw error(error_kind::template_, 0, "the chat template is empty");
         }
-        try {
-            py::gil_scoped_release nogil;
-            // as llama-server does in load_model(): common_chat_templates_init(model, params.chat_template)
-            // with the template given as --chat-template-file; the BOS/EOS text and add_bos/add_eos come
-            // from the caller instead of a model vocab
+        init(params, media_marker, fetch_remote_media, bos_token, eos_token, [&]() {
             common_chat_templates_ptr tmpls = common_chat_templates_init(nullptr, source, bos_token, eos_token);
             templates_set_add_bos_eos(tmpls.get(), add_bos, add_eos);
-            opt_ = make_server_chat_params(params, std::move(tmpls));
-        } catch (const std::exception & e) {
-            throw error(error_kind::template_, 0, e.what());
-        }
-        use_jinja_ = params.use_jinja;
+            return tmpls;
+        });
+    }
+
+    // a model's template, as llama-server -m FILE [--chat-template-file F] loads it:
+    // common_chat_templates_init(model, params.chat_template) takes the default template,
+    // the tool_use variant (or chatml), the BOS/EOS text and add_bos/add_eos from the vocab
+    core_template(std::shared_ptr<core_model> model, const std::string & chat_template_override,
+                  const std::vector<std::string> & server_args, const std::string & media_marker,
+                  bool fetch_remote_media) {
+        common_params params = parse_args(server_args);
+        const llama_vocab * vocab = model->vocab();
+        // the BOS/EOS text GET /props reports (server-context.cpp: common_token_to_piece(ctx, id, true))
+        const llama_token bos_id = llama_vocab_bos(vocab);
+        const llama_token eos_id = llama_vocab_eos(vocab);
+        const std::string bos = bos_id != LLAMA_TOKEN_NULL ? common_token_to_piece(vocab, bos_id, true) : "";
+        const std::string eos = eos_id != LLAMA_TOKEN_NULL ? common_token_to_piece(vocab, eos_id, true) : "";
+        init(params, media_marker, fetch_remote_media, bos, eos, [&]() {
+            return common_chat_templates_init(model->model(), chat_template_override);
+        });
     }
 
     std::map<std::string, bool> caps() const { return common_chat_templates_get_caps(opt_.tmpls.get()); }
@@ -151,6 +155,39 @@ class core_template {
     }
 
   private:
+    static common_params parse_args(const std::vector<std::string> & server_args) {
+        try {
+            py::gil_scoped_release nogil;
+            return parse_server_args(server_args);
+        } catch (const std::exception & e) {
+            throw error(error_kind::server_args, 0, e.what());
+        }
+    }
+
+    template <typename F>
+    void init(const common_params & params, const std::string & media_marker, bool fetch_remote_media,
+              const std::string & bos, const std::string & eos, F && make_templates) {
+        call_.media_marker = media_marker;
+        call_.fetch_remote_media = fetch_remote_media;
+        bos_token_ = bos;
+        eos_token_ = eos;
+        use_jinja_ = params.use_jinja;
+        log_capture logs;
+        std::string message;
+        {
+            py::gil_scoped_release nogil;
+            try {
+                opt_ = make_server_chat_params(params, make_templates());
+            } catch (const std::exception & e) {
+                message = e.what();
+            }
+        }
+        logs.emit();
+        if (!opt_.tmpls) {
+            throw error(error_kind::template_, 0, message.empty() ? "failed to load the chat template" : message);
+        }
+    }
+
     server_chat_params opt_;
     call_options call_;
     std::string bos_token_;
@@ -164,6 +201,10 @@ void register_template(py::module_ & m) {
                       const std::vector<std::string> &, const std::string &, bool>(),
              py::arg("source"), py::arg("bos_token"), py::arg("eos_token"), py::arg("add_bos"),
              py::arg("add_eos"), py::arg("server_args"), py::arg("media_marker"), py::arg("fetch_remote_media"))
+        .def(py::init<std::shared_ptr<core_model>, const std::string &, const std::vector<std::string> &,
+                      const std::string &, bool>(),
+             py::arg("model"), py::arg("chat_template"), py::arg("server_args"), py::arg("media_marker"),
+             py::arg("fetch_remote_media"))
         .def("caps", &core_template::caps)
         .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); })
         .def("enable_thinking", &core_template::enable_thinking)

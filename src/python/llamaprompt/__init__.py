@@ -15,6 +15,7 @@ from __future__ import annotations
 from ._core import LLAMA_CPP_COMMIT
 from ._version import __version__
 from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
+from .gguf import gguf_metadata
 from .params import ChatParams
 from .pinned import pinned_template, pinned_templates
 from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
@@ -30,6 +31,7 @@ __all__ = [
     "TemplateError",
     "ServerArgsError",
     "GGUFError",
+    "gguf_metadata",
     "pinned_template",
     "pinned_templates",
 ]

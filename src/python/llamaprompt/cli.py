@@ -4,6 +4,10 @@
     llamaprompt caps [--template FILE] [options]
     llamaprompt props [--template FILE] [options]
     llamaprompt normalize [--template FILE] [options] MESSAGES.json
+    llamaprompt tokenize --gguf FILE [TEXT | -]
+    llamaprompt inspect FILE.gguf
+
+``--gguf FILE`` (render, caps, props, normalize) takes the template from a model file.
 
 llama-server flags go after ``--`` (or one by one with ``--server-arg=FLAG``), e.g.
 ``llamaprompt render --template T req.json -- --reasoning off``. Errors from llama.cpp
@@ -20,6 +24,7 @@ from typing import Any
 
 from . import LLAMA_CPP_COMMIT, __version__
 from .errors import Error, RequestError
+from .gguf import gguf_metadata
 from .pinned import DEFAULT_TEMPLATE, pinned_template
 from .samples import SAMPLE_REQUEST
 from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
@@ -34,6 +39,12 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         "-t",
         metavar="FILE",
         help=f"Jinja chat template file, as --chat-template-file (default: the pinned tree's {DEFAULT_TEMPLATE})",
+    )
+    g.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="take the template, tool_use variant, BOS/EOS and add_bos/add_eos from a GGUF model (vocab only, as "
+        "llama-server -m FILE); with --template, that file replaces the model's template",
     )
     g.add_argument("--bos-token", default="", metavar="S", help="BOS token text (default: empty)")
     g.add_argument("--eos-token", default="", metavar="S", help="EOS token text (default: empty)")
@@ -102,6 +113,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     _template_options(p)
     p.add_argument("messages", metavar="MESSAGES.json", help="messages file, or - for stdin")
+
+    p = sub.add_parser(
+        "tokenize",
+        help="print token ids as POST /tokenize (GGUF vocab)",
+        description="Tokenize text with a GGUF file's vocab, as llama-server's POST /tokenize.",
+    )
+    p.add_argument("--gguf", required=True, metavar="FILE", help="GGUF model file (only the vocab is read)")
+    p.add_argument("text", nargs="?", default="-", metavar="TEXT", help="text to tokenize, or - for stdin (default)")
+    p.add_argument("--add-special", action="store_true", help="add BOS/EOS as the vocab says (default: off)")
+    p.add_argument("--no-parse-special", action="store_true", help="treat special-token text as plain text")
+    p.add_argument("--pieces", action="store_true", help="print [{id, piece}] like with_pieces")
+
+    p = sub.add_parser("inspect", help="print a GGUF file's metadata (llama.cpp's gguf reader)")
+    p.add_argument("file", metavar="FILE", help="GGUF file")
+    p.add_argument(
+        "--max-array-items",
+        type=int,
+        default=16,
+        metavar="N",
+        help="summarize arrays longer than N by type and length (default: 16)",
+    )
     return parser
 
 
@@ -120,6 +152,17 @@ def _read_json(path: str) -> Any:
 
 
 def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
+    if args.gguf:
+        override = None
+        if args.template:
+            with open(args.template, "rb") as f:
+                override = f.read()
+        return ChatTemplate.from_gguf(
+            args.gguf,
+            chat_template=override,
+            media_marker=args.media_marker,
+            server_args=[*args.server_arg, *server_args],
+        )
     path = args.template or pinned_template(DEFAULT_TEMPLATE)
     return ChatTemplate.from_file(
         path,
@@ -145,6 +188,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, server_args = argv[:i], argv[i + 1 :]
     args = _parser().parse_args(argv)
     try:
+        if args.command == "inspect":
+            _print_json(gguf_metadata(args.file, max_array_items=args.max_array_items))
+            return 0
+        if args.command == "tokenize":
+            model = ChatTemplate.from_gguf(args.gguf)
+            text = sys.stdin.buffer.read() if args.text == "-" else args.text
+            ids = model.tokenize(text, add_special=args.add_special, parse_special=not args.no_parse_special)
+            if args.pieces:
+                out = []
+                for t in ids.tolist():
+                    piece = model.token_to_piece(t)
+                    try:
+                        out.append({"id": t, "piece": piece.decode("utf-8")})
+                    except UnicodeDecodeError:
+                        out.append({"id": t, "piece": list(piece)})
+                _print_json(out)
+            else:
+                _print_json(ids.tolist())
+            return 0
         template = _load(args, server_args)
         if args.command == "render":
             # the body goes to llama.cpp as bytes, parsed there as llama-server parses it

@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
+import numpy as np
+
 from . import _core
 from .params import ChatParams
 
@@ -94,7 +96,8 @@ class ChatTemplate:
             "media_marker": media_marker,
             "fetch_remote_media": bool(fetch_remote_media),
         }
-        self._input_source = source
+        self._model: _core.Model | None = None
+        self._gguf_path: str | None = None
         self._core = _core.Template(
             _utf8(source),
             _utf8(bos_token),
@@ -105,6 +108,61 @@ class ChatTemplate:
             _utf8(media_marker),
             bool(fetch_remote_media),
         )
+
+    @classmethod
+    def from_gguf(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        chat_template: str | bytes | None = None,
+        server_args: Sequence[str] = (),
+        media_marker: str = DEFAULT_MEDIA_MARKER,
+        fetch_remote_media: bool = False,
+    ) -> ChatTemplate:
+        """Load a model's chat template as ``llama-server -m PATH`` does, with no weights.
+
+        The file is opened by llama.cpp with ``vocab_only`` (``llama_model_load_from_file``;
+        no tensor data is read), then ``common_chat_templates_init(model, chat_template)``
+        takes the default template, the ``tokenizer.chat_template.tool_use`` variant (chatml
+        when the file has neither), the BOS/EOS text and add_bos/add_eos from the vocab.
+
+        Args:
+            path: the GGUF file.
+            chat_template: a template text that replaces the file's, as
+                ``--chat-template-file`` (the file's tokens still apply).
+            server_args, media_marker, fetch_remote_media: as for the constructor.
+
+        The result also tokenizes: :meth:`tokenize`, :meth:`detokenize`,
+        :meth:`token_to_piece`, :meth:`apply_template_tokens`.
+
+        Raises:
+            GGUFError: missing, unreadable, truncated or corrupt file (llama.cpp's message).
+            TemplateError: the template in the file (or ``chat_template``) cannot be parsed.
+            ServerArgsError: as for the constructor.
+        """
+        if isinstance(server_args, (str, bytes)):
+            raise TypeError("server_args must be a sequence of strings, e.g. ['--reasoning', 'off']")
+        args = [str(a) for a in server_args]
+        fspath = os.fspath(path)
+        model = _core.Model(fspath)
+        override = b"" if chat_template is None else _utf8(chat_template)
+        if chat_template is not None and not override:
+            raise ValueError("chat_template is empty")
+        self = cls.__new__(cls)
+        self._model = model
+        self._gguf_path = fspath
+        self._core = _core.Template(model, override, args, _utf8(media_marker), bool(fetch_remote_media))
+        props = self._core.props()
+        self._options = {
+            "bos_token": props["bos_token"],
+            "eos_token": props["eos_token"],
+            "add_bos": bool(model.add_bos),
+            "add_eos": bool(model.add_eos),
+            "server_args": tuple(args),
+            "media_marker": media_marker,
+            "fetch_remote_media": bool(fetch_remote_media),
+        }
+        return self
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], **options: Any) -> ChatTemplate:
@@ -224,6 +282,86 @@ class ChatTemplate:
             body["tools"] = list(tools)
         return self._core.normalize(_body(body))
 
+    # -- tokens (GGUF-backed templates) -----------------------------------------------
+
+    @property
+    def gguf_path(self) -> str | None:
+        """The GGUF file this template was loaded from, or None."""
+        return self._gguf_path
+
+    def _vocab(self) -> _core.Model:
+        if self._model is None:
+            raise TypeError("tokens need a GGUF-backed template: use ChatTemplate.from_gguf(path)")
+        return self._model
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens in the vocab (``llama_vocab_n_tokens``)."""
+        return int(self._vocab().vocab_size)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The BOS token id (``llama_vocab_bos``), or None when the vocab has none."""
+        tok = int(self._vocab().bos_token_id)
+        return None if tok < 0 else tok
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS token id (``llama_vocab_eos``), or None when the vocab has none."""
+        tok = int(self._vocab().eos_token_id)
+        return None if tok < 0 else tok
+
+    def tokenize(self, text: str | bytes, *, add_special: bool = False, parse_special: bool = True) -> np.ndarray:
+        """Token ids for ``text``, as POST /tokenize ``{"content": text, "add_special": ...,
+        "parse_special": ...}`` (``tokenize_mixed`` -> ``common_tokenize``).
+
+        Returns a ``numpy.ndarray`` of dtype int32 and shape ``(n,)``.
+        Raises TypeError for a template not loaded from a GGUF file.
+        """
+        return self._vocab().tokenize(_utf8(text), bool(add_special), bool(parse_special))
+
+    def detokenize(self, tokens: Iterable[int] | np.ndarray) -> str:
+        """Text for token ids, as POST /detokenize (``tokens_to_str``).
+
+        Raises ValueError for ids outside ``[0, vocab_size)``.
+        """
+        ids = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        self._check_ids(ids)
+        return self._vocab().detokenize(ids)
+
+    def token_to_piece(self, token: int, *, special: bool = True) -> bytes:
+        """The bytes of one token (``common_token_to_piece``; special tokens rendered when
+        ``special``). Bytes, because a piece can be part of a UTF-8 character.
+
+        Raises ValueError for an id outside ``[0, vocab_size)``.
+        """
+        self._check_ids([int(token)])
+        return self._vocab().token_to_piece(int(token), bool(special))
+
+    def _check_ids(self, ids: list[int]) -> None:
+        n = self.vocab_size
+        for t in ids:
+            if not 0 <= t < n:
+                raise ValueError(f"token id {t} is out of range [0, {n})")
+
+    def apply_template_tokens(self, request: Request) -> np.ndarray:
+        """The prompt tokens llama-server feeds the model for this chat request: the
+        :meth:`apply_template` prompt tokenized with ``add_special=True, parse_special=True``
+        (the server's ``tokenize_input_prompts`` for a text prompt; BOS is added there when
+        the vocab's add_bos is set, which is why the rendered prompt had it stripped).
+
+        Media: llama-server tokenizes a prompt with media through its multimodal projector
+        (each marker becomes image/audio embeddings); without a projector this returns the
+        text tokens, with the media marker tokenized as plain text.
+
+        Returns int32 ndarray of shape ``(n,)``. Raises what :meth:`apply_template` and
+        :meth:`tokenize` raise.
+        """
+        prompt = self.apply_template(request)
+        return self.tokenize(prompt, add_special=True, parse_special=True)
+
     def __repr__(self) -> str:
-        head = self.source[:40].replace("\n", "\\n")
+        if self._gguf_path is not None:
+            return f"ChatTemplate.from_gguf({self._gguf_path!r}, server_args={list(self.server_args)!r})"
+        head = self.source[:40]
         return f"ChatTemplate({head!r}..., server_args={list(self.server_args)!r})"

@@ -1,0 +1,88 @@
+#include "logging.h"
+
+#include "ggml.h"
+#include "llama.h"
+
+namespace py = pybind11;
+
+namespace llamaprompt {
+
+namespace {
+
+thread_local log_capture * current_capture = nullptr;
+
+void log_callback(ggml_log_level level, const char * text, void * /*user_data*/) {
+    if (current_capture && text) {
+        current_capture->add((int) level, text);
+    }
+    // outside a capture (no call of ours is running on this thread): dropped
+}
+
+int python_level(int level) {
+    switch (level) {
+        case GGML_LOG_LEVEL_DEBUG: return 10;
+        case GGML_LOG_LEVEL_INFO:  return 20;
+        case GGML_LOG_LEVEL_WARN:  return 30;
+        case GGML_LOG_LEVEL_ERROR: return 40;
+        default:                   return 20;
+    }
+}
+
+}  // namespace
+
+log_capture::log_capture() : prev_(current_capture) { current_capture = this; }
+
+log_capture::~log_capture() { current_capture = prev_; }
+
+void log_capture::add(int level, const char * text) {
+    if (level == GGML_LOG_LEVEL_CONT && !records_.empty()) {
+        records_.back().text += text;
+        return;
+    }
+    records_.push_back({level, text});
+}
+
+std::string log_capture::errors() const {
+    std::string out;
+    for (const auto & r : records_) {
+        if (r.level == GGML_LOG_LEVEL_ERROR) {
+            std::string line = r.text;
+            while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+                line.pop_back();
+            }
+            if (!out.empty()) {
+                out += "; ";
+            }
+            out += line;
+        }
+    }
+    return out;
+}
+
+void log_capture::emit() const {
+    if (records_.empty()) {
+        return;
+    }
+    py::object logger = py::module_::import("logging").attr("getLogger")("llamaprompt.llama_cpp");
+    for (const auto & r : records_) {
+        std::string line = r.text;
+        while (!line.empty() && line.back() == '\n') {
+            line.pop_back();
+        }
+        const int lvl = python_level(r.level);
+        if (logger.attr("isEnabledFor")(lvl).cast<bool>()) {
+            PyObject * s = PyUnicode_DecodeUTF8(line.data(), (Py_ssize_t) line.size(), "replace");
+            if (!s) {
+                PyErr_Clear();
+                continue;
+            }
+            logger.attr("log")(lvl, "%s", py::reinterpret_steal<py::object>(s));
+        }
+    }
+}
+
+void install_log_callback() {
+    llama_log_set(log_callback, nullptr);
+}
+
+}  // namespace llamaprompt

@@ -1,0 +1,43 @@
+// llama.cpp / ggml log messages, collected per call and handed to Python's logging
+// (logger "llamaprompt.llama_cpp") once the GIL is held again. Nothing is printed to
+// stderr; a failed load's last error lines become the exception message.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace llamaprompt {
+
+struct log_record {
+    int level;  // ggml_log_level
+    std::string text;
+};
+
+// Collects the records logged on this thread while it is alive.
+class log_capture {
+  public:
+    log_capture();
+    ~log_capture();
+    log_capture(const log_capture &) = delete;
+    log_capture & operator=(const log_capture &) = delete;
+
+    const std::vector<log_record> & records() const { return records_; }
+    // the text of the error-level records, joined (empty when none)
+    std::string errors() const;
+    // emit the records to logging.getLogger("llamaprompt.llama_cpp"); needs the GIL
+    void emit() const;
+
+    void add(int level, const char * text);
+
+  private:
+    std::vector<log_record> records_;
+    log_capture * prev_;
+};
+
+// installs the process-wide llama_log_set callback (once, at import)
+void install_log_callback();
+
+}  // namespace llamaprompt

@@ -1,0 +1,205 @@
+// _core.Model (a GGUF file, vocab only: tokenize / detokenize as POST /tokenize and
+// /detokenize) and _core.gguf_metadata (the file's key/values, by ggml's gguf reader).
+#include "model.h"
+
+#include "errors.h"
+#include "logging.h"
+#include "shim.h"
+#include "text.h"
+
+#include "gguf.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <cstdio>
+#include <memory>
+
+namespace py = pybind11;
+
+namespace llamaprompt {
+
+namespace {
+
+// run fn without the GIL, collecting llama.cpp's log; a failure becomes a GGUFError
+// whose message is llama.cpp's (its exception text, or the error lines it logged)
+template <typename F>
+auto with_log(const char * what, F && fn) -> decltype(fn()) {
+    log_capture logs;
+    std::string message;
+    {
+        py::gil_scoped_release nogil;
+        try {
+            return fn();
+        } catch (const std::exception & e) {
+            message = e.what();
+        }
+    }
+    logs.emit();
+    if (message.empty()) {
+        message = logs.errors();
+    }
+    if (message.empty()) {
+        message = what;
+    }
+    throw error(error_kind::gguf, 0, message);
+}
+
+void check_file(const std::string & path) {
+    FILE * f = std::fopen(path.c_str(), "rb");
+    if (!f) {
+        throw error(error_kind::gguf, 0, "cannot open GGUF file: " + path);
+    }
+    std::fclose(f);
+}
+
+}  // namespace
+
+core_model::core_model(const std::string & path) : path_(path) {
+    check_file(path);
+    log_capture logs;
+    std::string message;
+    {
+        py::gil_scoped_release nogil;
+        llama_model_params mp = llama_model_default_params();
+        mp.vocab_only = true;  // as the task asks: no tensor data is read
+        mp.n_gpu_layers = 0;
+        try {
+            model_ = llama_model_load_from_file(path.c_str(), mp);
+        } catch (const std::exception & e) {
+            model_ = nullptr;
+            message = e.what();
+        }
+    }
+    logs.emit();
+    if (!model_) {
+        if (message.empty()) {
+            message = logs.errors();
+        }
+        throw error(error_kind::gguf, 0, message.empty() ? "failed to load GGUF file: " + path : message);
+    }
+}
+
+core_model::~core_model() {
+    if (model_) {
+        llama_model_free(model_);
+    }
+}
+
+namespace {
+
+py::object gguf_scalar(const gguf_context * ctx, int64_t i, gguf_type type) {
+    switch (type) {
+        case GGUF_TYPE_UINT8:   return py::int_(gguf_get_val_u8(ctx, i));
+        case GGUF_TYPE_INT8:    return py::int_(gguf_get_val_i8(ctx, i));
+        case GGUF_TYPE_UINT16:  return py::int_(gguf_get_val_u16(ctx, i));
+        case GGUF_TYPE_INT16:   return py::int_(gguf_get_val_i16(ctx, i));
+        case GGUF_TYPE_UINT32:  return py::int_(gguf_get_val_u32(ctx, i));
+        case GGUF_TYPE_INT32:   return py::int_(gguf_get_val_i32(ctx, i));
+        case GGUF_TYPE_UINT64:  return py::int_(gguf_get_val_u64(ctx, i));
+        case GGUF_TYPE_INT64:   return py::int_(gguf_get_val_i64(ctx, i));
+        case GGUF_TYPE_FLOAT32: return py::float_(gguf_get_val_f32(ctx, i));
+        case GGUF_TYPE_FLOAT64: return py::float_(gguf_get_val_f64(ctx, i));
+        case GGUF_TYPE_BOOL:    return py::bool_(gguf_get_val_bool(ctx, i));
+        case GGUF_TYPE_STRING:  return text_to_py(gguf_get_val_str(ctx, i));
+        default:                return py::none();
+    }
+}
+
+py::object gguf_array_item(const gguf_context * ctx, int64_t i, gguf_type type, size_t j) {
+    const void * data = type == GGUF_TYPE_STRING ? nullptr : gguf_get_arr_data(ctx, i);
+    switch (type) {
+        case GGUF_TYPE_UINT8:   return py::int_(((const uint8_t *) data)[j]);
+        case GGUF_TYPE_INT8:    return py::int_(((const int8_t *) data)[j]);
+        case GGUF_TYPE_UINT16:  return py::int_(((const uint16_t *) data)[j]);
+        case GGUF_TYPE_INT16:   return py::int_(((const int16_t *) data)[j]);
+        case GGUF_TYPE_UINT32:  return py::int_(((const uint32_t *) data)[j]);
+        case GGUF_TYPE_INT32:   return py::int_(((const int32_t *) data)[j]);
+        case GGUF_TYPE_UINT64:  return py::int_(((const uint64_t *) data)[j]);
+        case GGUF_TYPE_INT64:   return py::int_(((const int64_t *) data)[j]);
+        case GGUF_TYPE_FLOAT32: return py::float_(((const float *) data)[j]);
+        case GGUF_TYPE_FLOAT64: return py::float_(((const double *) data)[j]);
+        case GGUF_TYPE_BOOL:    return py::bool_(((const int8_t *) data)[j] != 0);
+        case GGUF_TYPE_STRING:  return text_to_py(gguf_get_arr_str(ctx, i, j));
+        default:                return py::none();
+    }
+}
+
+// gguf_metadata(path, max_array_items): {key: value}; arrays longer than max_array_items
+// are summarized as {"type": "array", "element_type": NAME, "length": N}
+py::dict gguf_metadata(const std::string & path, size_t max_array_items) {
+    check_file(path);
+    struct ctx_deleter {
+        void operator()(gguf_context * c) const { gguf_free(c); }
+    };
+    std::unique_ptr<gguf_context, ctx_deleter> ctx(with_log("failed to read GGUF file", [&]() {
+        gguf_init_params params = {/* no_alloc */ true, /* ctx */ nullptr};
+        gguf_context * c = gguf_init_from_file(path.c_str(), params);
+        if (!c) {
+            throw std::runtime_error("");  // the message comes from the log
+        }
+        return c;
+    }));
+    py::dict out;
+    const int64_t n = gguf_get_n_kv(ctx.get());
+    for (int64_t i = 0; i < n; i++) {
+        py::object key = text_to_py(gguf_get_key(ctx.get(), i));
+        const gguf_type type = gguf_get_kv_type(ctx.get(), i);
+        if (type != GGUF_TYPE_ARRAY) {
+            out[key] = gguf_scalar(ctx.get(), i, type);
+            continue;
+        }
+        const gguf_type elem = gguf_get_arr_type(ctx.get(), i);
+        const size_t len = gguf_get_arr_n(ctx.get(), i);
+        if (len > max_array_items || elem == GGUF_TYPE_ARRAY) {
+            py::dict summary;
+            summary["type"] = "array";
+            summary["element_type"] = gguf_type_name(elem);
+            summary["length"] = len;
+            out[key] = summary;
+            continue;
+        }
+        py::list items;
+        for (size_t j = 0; j < len; j++) {
+            items.append(gguf_array_item(ctx.get(), i, elem, j));
+        }
+        out[key] = items;
+    }
+    return out;
+}
+
+}  // namespace
+
+void register_model(py::module_ & m) {
+    py::class_<core_model, std::shared_ptr<core_model>>(m, "Model")
+        .def(py::init<const std::string &>(), py::arg("path"))
+        .def_property_readonly("path", &core_model::path)
+        .def_property_readonly("vocab_size", [](const core_model & mdl) { return llama_vocab_n_tokens(mdl.vocab()); })
+        .def_property_readonly("bos_token_id", [](const core_model & mdl) { return llama_vocab_bos(mdl.vocab()); })
+        .def_property_readonly("eos_token_id", [](const core_model & mdl) { return llama_vocab_eos(mdl.vocab()); })
+        .def_property_readonly("add_bos", [](const core_model & mdl) { return llama_vocab_get_add_bos(mdl.vocab()); })
+        .def_property_readonly("add_eos", [](const core_model & mdl) { return llama_vocab_get_add_eos(mdl.vocab()); })
+        // POST /tokenize: tokenize_mixed(vocab, content, add_special, parse_special)
+        .def("tokenize", [](const core_model & mdl, const std::string & text, bool add_special, bool parse_special) {
+            llama_tokens tokens = call_upstream([&]() {
+                return tokenize_mixed(mdl.vocab(), json(text), add_special, parse_special);
+            });
+            py::array_t<int32_t> out((py::ssize_t) tokens.size());
+            std::copy(tokens.begin(), tokens.end(), out.mutable_data());
+            return out;
+        }, py::arg("text"), py::arg("add_special"), py::arg("parse_special"))
+        // POST /detokenize: tokens_to_str(vocab, tokens)
+        .def("detokenize", [](const core_model & mdl, const std::vector<llama_token> & tokens) {
+            std::string text = call_upstream([&]() { return tokens_to_str(mdl.vocab(), tokens); });
+            return text_to_py(text);
+        }, py::arg("tokens"))
+        // POST /tokenize with_pieces: common_token_to_piece(vocab, token) (special tokens rendered)
+        .def("token_to_piece", [](const core_model & mdl, llama_token token, bool special) {
+            std::string piece = call_upstream([&]() { return common_token_to_piece(mdl.vocab(), token, special); });
+            return py::bytes(piece);
+        }, py::arg("token"), py::arg("special") = true);
+
+    m.def("gguf_metadata", &gguf_metadata, py::arg("path"), py::arg("max_array_items") = 16);
+}
+
+}  // namespace llamaprompt

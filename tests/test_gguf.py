@@ -1,0 +1,239 @@
+"""GGUF-backed templates: the template, tool_use variant, BOS/EOS and tokens from a model
+file, compared with ../shared/reference/gguf.json (recorded from llama-server -m), and
+GGUF files written here with the gguf package (llama.cpp's own writer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llamaprompt
+from conftest import load_reference, mask_dates, vocab_gguf
+
+gguf = pytest.importorskip("gguf")
+from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata  # noqa: E402
+
+SPM = "ggml-vocab-llama-spm.gguf"
+
+
+def _models():
+    try:
+        ref = load_reference("gguf.json")
+    except pytest.skip.Exception:
+        return []
+    return sorted(ref["models"])
+
+
+@pytest.fixture(scope="module")
+def gguf_ref():
+    return load_reference("gguf.json")
+
+
+@pytest.mark.parametrize("name", _models())
+def test_reference_model(gguf_ref, name):
+    expected = gguf_ref["models"][name]
+    tmpl = llamaprompt.ChatTemplate.from_gguf(vocab_gguf(expected["vocab_file"]), media_marker=gguf_ref["media_marker"])
+    assert tmpl.caps == expected["caps"]
+    assert tmpl.bos_token == expected["bos_token"]
+    assert tmpl.eos_token == expected["eos_token"]
+    assert tmpl.source == expected["chat_template"]
+    assert tmpl.tool_use_source == expected.get("chat_template_tool_use")
+    props = tmpl.props()
+    assert props.get("chat_template_tool_use") == expected.get("chat_template_tool_use")
+
+    mismatches, n_tokens = [], 0
+    for rname, case in expected["cases"].items():
+        request = gguf_ref["requests"][rname]
+        if case["status"] != 200:
+            with pytest.raises(llamaprompt.Error) as info:
+                tmpl.apply_template(request)
+            if info.value.status != case["status"] or info.value.message != case["error"]["message"]:
+                mismatches.append(f"{rname}: {info.value.status} {info.value.message!r} != {case['error']}")
+            continue
+        got = mask_dates(tmpl.apply_template(request), gguf_ref["rendered_on"])
+        if got != case["prompt"]:
+            mismatches.append(f"{rname}: prompt differs:\n got {got!r}\nwant {case['prompt']!r}")
+            continue
+        for add_special in (False, True):
+            key = f"tokens_add_special_{str(add_special).lower()}"
+            if key in case:
+                n_tokens += 1
+                ids = tmpl.tokenize(case["prompt"], add_special=add_special)
+                assert ids.dtype == np.int32 and ids.ndim == 1
+                if ids.tolist() != case[key]:
+                    mismatches.append(f"{rname}: {key} differ")
+                if add_special and tmpl.apply_template_tokens(request).tolist() != case[key]:
+                    mismatches.append(f"{rname}: apply_template_tokens differs from the server's tokens")
+    assert not mismatches, "\n".join(mismatches)
+    assert n_tokens > 0
+
+
+def test_tokens_roundtrip_and_ids():
+    tmpl = llamaprompt.ChatTemplate.from_gguf(vocab_gguf(SPM))
+    assert tmpl.vocab_size == 32000
+    assert tmpl.bos_token_id == 1 and tmpl.eos_token_id == 2
+    assert tmpl.token_to_piece(1) == b"<s>"
+    ids = tmpl.tokenize("Hello world", add_special=True)
+    assert ids[0] == 1  # SPM vocab adds BOS
+    assert tmpl.detokenize(ids[1:]).strip() == "Hello world"
+    # special-token text is parsed as one token unless parse_special is off
+    assert tmpl.tokenize("</s>").tolist() == [2]
+    assert 2 not in tmpl.tokenize("</s>", parse_special=False).tolist()
+    with pytest.raises(ValueError, match="out of range"):
+        tmpl.detokenize([tmpl.vocab_size])
+    with pytest.raises(ValueError):
+        tmpl.token_to_piece(-5)
+
+
+def test_tokens_need_a_gguf(qwen3):
+    with pytest.raises(TypeError, match="from_gguf"):
+        qwen3.tokenize("x")
+
+
+def _rewrite(src: Path, dst: Path, *, template=None, remove=(), set_bool=None) -> Path:
+    reader = gguf.GGUFReader(src, "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+    new = {}
+    if template is not None:
+        new[gguf.Keys.Tokenizer.CHAT_TEMPLATE] = MetadataDetails(gguf.GGUFValueType.STRING, template)
+    for key, value in (set_bool or {}).items():
+        new[key] = MetadataDetails(gguf.GGUFValueType.BOOL, value)
+    copy_with_new_metadata(reader, writer, new, list(remove))
+    return dst
+
+
+PLAIN = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
+TOOLS = (
+    "{{ bos_token }}{% if tools %}[TOOLS]{{ tools | tojson }}{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
+
+
+def test_written_gguf_with_template(tmp_path):
+    path = _rewrite(vocab_gguf(SPM), tmp_path / "t.gguf", template=PLAIN)
+    tmpl = llamaprompt.ChatTemplate.from_gguf(path)
+    assert tmpl.source == PLAIN
+    assert tmpl.tool_use_source is None
+    assert tmpl.bos_token == "<s>" and tmpl.eos_token == "</s>" and tmpl.add_bos is True
+    assert tmpl.apply_template({"messages": [{"role": "user", "content": "hi"}]}) == "<user>hi<a>"
+    meta = llamaprompt.gguf_metadata(path)
+    assert meta["tokenizer.chat_template"] == PLAIN
+    assert meta["tokenizer.ggml.tokens"] == {"type": "array", "element_type": "str", "length": 32000}
+
+
+def test_written_gguf_without_template_falls_back_to_chatml(tmp_path):
+    path = _rewrite(vocab_gguf(SPM), tmp_path / "t.gguf", remove=["tokenizer.chat_template"])
+    assert "tokenizer.chat_template" not in llamaprompt.gguf_metadata(path)
+    tmpl = llamaprompt.ChatTemplate.from_gguf(path)
+    # common_chat_templates_init uses chatml when the model has no template
+    assert tmpl.apply_template({"messages": [{"role": "user", "content": "hi"}]}) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_written_gguf_with_tool_use_variant(tmp_path):
+    templates = [{"name": "default", "template": PLAIN}, {"name": "tool_use", "template": TOOLS}]
+    path = _rewrite(vocab_gguf(SPM), tmp_path / "t.gguf", template=templates)
+    meta = llamaprompt.gguf_metadata(path)
+    assert meta["tokenizer.chat_template.tool_use"] == TOOLS
+    tmpl = llamaprompt.ChatTemplate.from_gguf(path)
+    assert tmpl.source == PLAIN and tmpl.tool_use_source == TOOLS
+    assert tmpl.props()["chat_template_tool_use"] == TOOLS
+    plain = tmpl.apply_template({"messages": [{"role": "user", "content": "hi"}]})
+    assert plain == "<user>hi<a>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with_tools = tmpl.apply_template({"messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    # the tool_use variant renders requests with tools; its leading BOS is stripped (add_bos)
+    assert with_tools.startswith("[TOOLS]") and with_tools.endswith("<user>hi<a>")
+    # --chat-template-file replaces the file's templates
+    over = llamaprompt.ChatTemplate.from_gguf(path, chat_template="{{ messages[0]['content'] }}!")
+    assert over.tool_use_source is None
+    assert over.apply_template({"messages": [{"role": "user", "content": "hi"}]}) == "hi!"
+
+
+def test_written_gguf_without_bos_and_add_bos_false(tmp_path):
+    src = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    no_add = _rewrite(
+        vocab_gguf(SPM), tmp_path / "a.gguf", template=src, set_bool={"tokenizer.ggml.add_bos_token": False}
+    )
+    tmpl = llamaprompt.ChatTemplate.from_gguf(no_add)
+    assert tmpl.add_bos is False
+    assert tmpl.apply_template({"messages": [{"role": "user", "content": "x"}]}) == "<s>x"  # not stripped
+    assert tmpl.tokenize("x", add_special=True).tolist()[0] != 1
+
+    no_bos = _rewrite(vocab_gguf(SPM), tmp_path / "b.gguf", template=src, remove=["tokenizer.ggml.bos_token_id"])
+    meta = llamaprompt.gguf_metadata(no_bos)
+    assert "tokenizer.ggml.bos_token_id" not in meta
+
+
+@pytest.mark.parametrize("cut", [0, 3, 4, 8, 16, 24, 100, 1000, 50_000, -1])
+def test_truncated_gguf_raises(tmp_path, cut):
+    data = vocab_gguf(SPM).read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[:cut] if cut >= 0 else data[: len(data) // 2])
+    with pytest.raises(llamaprompt.GGUFError) as info:
+        llamaprompt.ChatTemplate.from_gguf(bad)
+    assert info.value.message
+    with pytest.raises(llamaprompt.GGUFError):
+        llamaprompt.gguf_metadata(bad)
+
+
+def test_not_a_gguf_and_missing(tmp_path):
+    txt = tmp_path / "x.gguf"
+    txt.write_text("this is not a gguf file at all")
+    with pytest.raises(llamaprompt.GGUFError):
+        llamaprompt.ChatTemplate.from_gguf(txt)
+    with pytest.raises(llamaprompt.GGUFError, match="cannot open"):
+        llamaprompt.ChatTemplate.from_gguf(tmp_path / "missing.gguf")
+    assert issubclass(llamaprompt.GGUFError, OSError)
+
+
+def test_absurd_kv_count(tmp_path):
+    data = bytearray(vocab_gguf(SPM).read_bytes())
+    # header: magic(4) version(4) n_tensors(8) n_kv(8)
+    data[16:24] = (2**62).to_bytes(8, "little")
+    bad = tmp_path / "kv.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(llamaprompt.GGUFError):
+        llamaprompt.ChatTemplate.from_gguf(bad)
+
+
+def test_bad_template_in_gguf(tmp_path):
+    path = _rewrite(vocab_gguf(SPM), tmp_path / "t.gguf", template="{% for %}")
+    with pytest.raises(llamaprompt.TemplateError):
+        llamaprompt.ChatTemplate.from_gguf(path)
+
+
+def test_llama_cpp_log_goes_to_logging(caplog, tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 20)
+    with caplog.at_level("DEBUG", logger="llamaprompt.llama_cpp"), pytest.raises(llamaprompt.GGUFError):
+        llamaprompt.ChatTemplate.from_gguf(bad)
+    assert any(r.name == "llamaprompt.llama_cpp" for r in caplog.records)
+
+
+def test_cli_gguf(tmp_path):
+    import subprocess
+    import sys
+
+    spm = str(vocab_gguf(SPM))
+    proc = subprocess.run(
+        [sys.executable, "-m", "llamaprompt.cli", "tokenize", "--gguf", spm, "Hello"], capture_output=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    ids = json.loads(proc.stdout)
+    assert ids == llamaprompt.ChatTemplate.from_gguf(spm).tokenize("Hello").tolist()
+    proc = subprocess.run([sys.executable, "-m", "llamaprompt.cli", "inspect", spm], capture_output=True)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["general.architecture"] == "llama"
+    proc = subprocess.run([sys.executable, "-m", "llamaprompt.cli", "caps", "--gguf", spm], capture_output=True)
+    assert proc.returncode == 0 and "supports_tools" in json.loads(proc.stdout)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope")
+    proc = subprocess.run([sys.executable, "-m", "llamaprompt.cli", "inspect", str(bad)], capture_output=True)
+    assert proc.returncode == 2 and b"GGUFError" in proc.stderr
