@@ -14,6 +14,7 @@ namespace py = pybind11;
 namespace llamaprompt {
 void register_template(py::module_ & m);
 void register_model(py::module_ & m);
+void register_builtin(py::module_ & m);
 }
 
 PYBIND11_MODULE(_core, m) {
@@ -29,4 +30,5 @@ PYBIND11_MODULE(_core, m) {
     llamaprompt::register_errors(m);
     llamaprompt::register_template(m);
     llamaprompt::register_model(m);
+    llamaprompt::register_builtin(m);
 }

@@ -17,6 +17,29 @@ namespace llamaprompt {
 
 // ---- shim_chat.cpp (common/chat.cpp) --------------------------------------
 
+// Which handler common_chat_templates_apply_jinja may use, and which it used, for the
+// calls made on this thread while a scoped_handler is alive.
+struct handler_state {
+    bool skip_specialized = false;  // in: take the differential autoparser path
+    bool specialized_used = false;  // out: a specialized handler produced the params
+};
+class scoped_handler {
+  public:
+    explicit scoped_handler(handler_state & st);
+    ~scoped_handler();
+    scoped_handler(const scoped_handler &) = delete;
+    scoped_handler & operator=(const scoped_handler &) = delete;
+
+  private:
+    handler_state * prev_;
+};
+
+// Replace the caps llama.cpp uses for the default and tool_use templates (the
+// common_chat_template::caps that original_caps() returns, which drives
+// messages_inp_normalizer and the caps-driven workarounds). Keys are jinja::caps::to_map()'s;
+// an unknown key throws std::invalid_argument.
+void templates_set_caps(common_chat_templates * tmpls, const std::map<std::string, bool> & caps);
+
 // Set the private common_chat_templates::add_bos/add_eos, which upstream fills only
 // from a model's vocab (llama_vocab_get_add_bos/eos) in common_chat_templates_init.
 void templates_set_add_bos_eos(common_chat_templates * tmpls, bool add_bos, bool add_eos);

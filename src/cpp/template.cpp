@@ -62,7 +62,10 @@ class core_template {
     // add_bos/add_eos given by the caller instead of a model's vocab
     core_template(const std::string & source, const std::string & bos_token, const std::string & eos_token,
                   bool add_bos, bool add_eos, const std::vector<std::string> & server_args,
-                  const std::string & media_marker, bool fetch_remote_media) {
+                  const std::string & media_marker, bool fetch_remote_media,
+                  const std::map<std::string, bool> & caps, bool skip_specialized) {
+        caps_override_ = caps;
+        handler_.skip_specialized = skip_specialized;
         common_params params = parse_args(server_args);
         if (source.empty()) {
             // common_chat_templates_init would take the model's template (GGML_ASSERT(model))
@@ -80,7 +83,9 @@ class core_template {
     // the tool_use variant (or chatml), the BOS/EOS text and add_bos/add_eos from the vocab
     core_template(std::shared_ptr<core_model> model, const std::string & chat_template_override,
                   const std::vector<std::string> & server_args, const std::string & media_marker,
-                  bool fetch_remote_media) {
+                  bool fetch_remote_media, const std::map<std::string, bool> & caps, bool skip_specialized) {
+        caps_override_ = caps;
+        handler_.skip_specialized = skip_specialized;
         common_params params = parse_args(server_args);
         const llama_vocab * vocab = model->vocab();
         // the BOS/EOS text GET /props reports (server-context.cpp: common_token_to_piece(ctx, id, true))
@@ -100,6 +105,8 @@ class core_template {
     }
 
     bool enable_thinking() const { return opt_.enable_thinking; }
+    bool use_jinja() const { return use_jinja_; }
+    const std::map<std::string, bool> & detected_caps() const { return detected_caps_; }
 
     // the chat-template part of GET /props (get_res_props in server-context.cpp)
     py::object props() const {
@@ -124,6 +131,8 @@ class core_template {
     py::object apply_template(const std::string & body_text) const {
         std::string prompt = call_upstream([&]() {
             json body = parse_body(body_text);
+            handler_state st = handler_;
+            scoped_handler in_force(st);
             apply_result res = apply_request(std::move(body), opt_, call_);
             return res.llama_params.at("prompt").get<std::string>();
         });
@@ -134,10 +143,14 @@ class core_template {
     py::object apply(const std::string & body_text) const {
         std::string out = call_upstream([&]() {
             json body = parse_body(body_text);
+            handler_state st = handler_;
+            scoped_handler in_force(st);
             apply_result res = apply_request(std::move(body), opt_, call_);
             json result = json::object();
             result["llama_params"] = res.llama_params;
             result["chat_params"] = chat_params_to_json(res.chat_params);
+            // which path common_chat_templates_apply_jinja took (for describe())
+            result["specialized_handler"] = st.specialized_used;
             return result.dump();
         });
         return json_text_to_py(out);
@@ -147,6 +160,8 @@ class core_template {
     py::object normalize(const std::string & body_text) const {
         std::string out = call_upstream([&]() {
             json body = parse_body(body_text);
+            handler_state st = handler_;
+            scoped_handler in_force(st);
             common_chat_templates_inputs inputs = request_inputs(std::move(body), opt_, call_);
             const bool with_tools = !inputs.tools.empty();
             return render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)).dump();
@@ -177,7 +192,17 @@ class core_template {
         {
             py::gil_scoped_release nogil;
             try {
-                opt_ = make_server_chat_params(params, make_templates());
+                common_chat_templates_ptr tmpls = make_templates();
+                detected_caps_ = common_chat_templates_get_caps(tmpls.get());
+                handler_state st = handler_;
+                scoped_handler in_force(st);
+                opt_ = make_server_chat_params(params, std::move(tmpls));
+                // forced caps apply to requests; the load-time probe above (whether the
+                // template supports thinking) ran with the detected ones, so forcing caps
+                // never makes loading fail -- a request that breaks under them fails instead
+                if (!caps_override_.empty()) {
+                    templates_set_caps(opt_.tmpls.get(), caps_override_);
+                }
             } catch (const std::exception & e) {
                 message = e.what();
             }
@@ -190,6 +215,9 @@ class core_template {
 
     server_chat_params opt_;
     call_options call_;
+    handler_state handler_;
+    std::map<std::string, bool> caps_override_;
+    std::map<std::string, bool> detected_caps_;
     std::string bos_token_;
     std::string eos_token_;
     bool use_jinja_ = true;
@@ -198,13 +226,17 @@ class core_template {
 void register_template(py::module_ & m) {
     py::class_<core_template>(m, "Template")
         .def(py::init<const std::string &, const std::string &, const std::string &, bool, bool,
-                      const std::vector<std::string> &, const std::string &, bool>(),
+                      const std::vector<std::string> &, const std::string &, bool,
+                      const std::map<std::string, bool> &, bool>(),
              py::arg("source"), py::arg("bos_token"), py::arg("eos_token"), py::arg("add_bos"),
-             py::arg("add_eos"), py::arg("server_args"), py::arg("media_marker"), py::arg("fetch_remote_media"))
+             py::arg("add_eos"), py::arg("server_args"), py::arg("media_marker"), py::arg("fetch_remote_media"),
+             py::arg("caps"), py::arg("skip_specialized"))
         .def(py::init<std::shared_ptr<core_model>, const std::string &, const std::vector<std::string> &,
-                      const std::string &, bool>(),
+                      const std::string &, bool, const std::map<std::string, bool> &, bool>(),
              py::arg("model"), py::arg("chat_template"), py::arg("server_args"), py::arg("media_marker"),
-             py::arg("fetch_remote_media"))
+             py::arg("fetch_remote_media"), py::arg("caps"), py::arg("skip_specialized"))
+        .def("detected_caps", &core_template::detected_caps)
+        .def("use_jinja", &core_template::use_jinja)
         .def("caps", &core_template::caps)
         .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); })
         .def("enable_thinking", &core_template::enable_thinking)

@@ -16,6 +16,8 @@ from ._core import LLAMA_CPP_COMMIT
 from ._version import __version__
 from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
 from .gguf import gguf_metadata
+from .hooks import register_hook, registered_hooks, unregister_hook
+from .legacy import builtin_template_names, llama_chat_apply_template
 from .params import ChatParams
 from .pinned import pinned_template, pinned_templates
 from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
@@ -32,6 +34,11 @@ __all__ = [
     "ServerArgsError",
     "GGUFError",
     "gguf_metadata",
+    "builtin_template_names",
+    "llama_chat_apply_template",
+    "register_hook",
+    "unregister_hook",
+    "registered_hooks",
     "pinned_template",
     "pinned_templates",
 ]

@@ -57,6 +57,18 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         help=f"text that media parts become (default: {DEFAULT_MEDIA_MARKER})",
     )
     g.add_argument(
+        "--builtin",
+        metavar="NAME",
+        help="a built-in non-Jinja template, as llama-server --no-jinja --chat-template NAME",
+    )
+    g.add_argument("--caps", metavar="JSON", help="force caps, e.g. '{\"supports_typed_content\": true}'")
+    g.add_argument(
+        "--handler",
+        choices=("auto", "autoparser", "pure_content"),
+        default="auto",
+        help="auto: llama.cpp's choice; autoparser: skip specialized handlers; pure_content: --skip-chat-parsing",
+    )
+    g.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -102,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     _template_options(p)
 
     p = sub.add_parser("props", help="print the chat-template part of GET /props")
+    _template_options(p)
+
+    p = sub.add_parser(
+        "describe",
+        help="print what llama.cpp decided for the template (chat format, handler, caps, thinking)",
+    )
     _template_options(p)
 
     p = sub.add_parser(
@@ -152,6 +170,28 @@ def _read_json(path: str) -> Any:
 
 
 def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
+    caps = None
+    if args.caps:
+        try:
+            caps = json.loads(args.caps)
+        except ValueError as e:
+            raise RequestError(f"--caps: not valid JSON: {e}") from None
+        if not isinstance(caps, dict):
+            raise RequestError("--caps must be a JSON object of caps keys to booleans")
+    common = {"caps": caps, "handler": args.handler}
+    if args.builtin:
+        if args.gguf or args.template:
+            raise RequestError("--builtin cannot be combined with --template or --gguf")
+        return ChatTemplate.builtin(
+            args.builtin,
+            bos_token=args.bos_token,
+            eos_token=args.eos_token,
+            add_bos=args.add_bos,
+            add_eos=args.add_eos,
+            media_marker=args.media_marker,
+            server_args=[*args.server_arg, *server_args],
+            **common,
+        )
     if args.gguf:
         override = None
         if args.template:
@@ -172,6 +212,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
         add_eos=args.add_eos,
         media_marker=args.media_marker,
         server_args=[*args.server_arg, *server_args],
+        **common,
     )
 
 
@@ -219,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompt = template.apply_template(request)
                 sys.stdout.buffer.write(prompt.encode("utf-8", "surrogateescape"))
                 sys.stdout.flush()
+        elif args.command == "describe":
+            _print_json(template.describe())
         elif args.command == "caps":
             _print_json(template.caps)
         elif args.command == "props":
@@ -233,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = f" (HTTP {e.status})" if e.status else ""
         print(f"llamaprompt: {type(e).__name__}{status}: {e.message}", file=sys.stderr)
         return 2
-    except OSError as e:
+    except (OSError, ValueError) as e:
         print(f"llamaprompt: {e}", file=sys.stderr)
         return 2
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -10,6 +11,8 @@ from typing import Any, Union
 import numpy as np
 
 from . import _core
+from .errors import Error, TemplateError
+from .hooks import hooks_for, template_sha256
 from .params import ChatParams
 
 __all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "Request"]
@@ -26,6 +29,54 @@ def _utf8(text: str | bytes) -> bytes:
     if isinstance(text, bytes):
         return text
     return text.encode("utf-8", "surrogateescape")
+
+
+_HANDLERS = ("auto", "autoparser", "pure_content")
+_CAPS_KEYS = (
+    "supports_tools",
+    "supports_tool_calls",
+    "supports_system_role",
+    "supports_parallel_tool_calls",
+    "supports_preserve_reasoning",
+    "supports_reasoning_effort",
+    "supports_string_content",
+    "supports_typed_content",
+    "supports_object_arguments",
+)
+
+
+def _server_args(server_args: Sequence[str], handler: str) -> list[str]:
+    if isinstance(server_args, (str, bytes)):
+        raise TypeError("server_args must be a sequence of strings, e.g. ['--reasoning', 'off']")
+    if handler not in _HANDLERS:
+        raise ValueError(f"handler must be one of {', '.join(_HANDLERS)}, not {handler!r}")
+    args = [str(a) for a in server_args]
+    if handler == "pure_content":
+        args.append("--skip-chat-parsing")  # llama-server's force-pure-content mode
+    return args
+
+
+def _check_caps(caps: Mapping[str, bool] | None) -> dict[str, bool]:
+    if not caps:
+        return {}
+    unknown = sorted(set(caps) - set(_CAPS_KEYS))
+    if unknown:
+        raise ValueError(f"unknown caps keys: {', '.join(unknown)} (known: {', '.join(_CAPS_KEYS)})")
+    for k, v in caps.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"caps value for {k} must be a bool, not {type(v).__name__}")
+    return dict(caps)
+
+
+def _before(request: Request, hooks: list[Any]) -> Request:
+    body: Any = json.loads(request) if isinstance(request, (str, bytes)) else copy.deepcopy(dict(request))
+    for hook in hooks:
+        before = getattr(hook, "before_request", None)
+        if before is not None:
+            body = before(body)
+            if not isinstance(body, Mapping):
+                raise TypeError(f"{type(hook).__name__}.before_request must return the request mapping")
+    return body
 
 
 def _body(request: Request) -> bytes:
@@ -60,11 +111,20 @@ class ChatTemplate:
         fetch_remote_media: llama-server downloads ``http(s)`` media URLs; llamaprompt
             does not unless this is true (the prompt is the same either way when the
             download succeeds).
+        caps: force chat-template caps (keys as :attr:`caps`): they replace what llama.cpp
+            detected in the struct its normalizer and caps-driven workarounds read, then the
+            unchanged upstream path runs. :attr:`detected_caps` keeps what was detected.
+        handler: ``"auto"`` (llama.cpp's own choice, the default), ``"autoparser"`` (skip
+            the specialized-template handlers: the differential autoparser path) or
+            ``"pure_content"`` (llama-server's ``--skip-chat-parsing`` force-pure-content mode).
+        hooks: objects with ``before_request(request)`` and/or ``after_params(params)``
+            (see :mod:`llamaprompt.hooks`); they run before the registered ones.
 
     Raises:
         TemplateError: the template cannot be parsed (llama-server would not start),
             or rendering the probe request llama-server makes at load time fails.
         ServerArgsError: a ``server_args`` flag is unknown, malformed or not accepted.
+        ValueError: an unknown ``caps`` key or ``handler``.
 
     A ChatTemplate is immutable and safe to share between threads; the GIL is released
     while llama.cpp works.
@@ -81,33 +141,53 @@ class ChatTemplate:
         server_args: Sequence[str] = (),
         media_marker: str = DEFAULT_MEDIA_MARKER,
         fetch_remote_media: bool = False,
+        caps: Mapping[str, bool] | None = None,
+        handler: str = "auto",
+        hooks: Sequence[Any] = (),
     ) -> None:
         if not isinstance(source, (str, bytes)):
             raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
-        if isinstance(server_args, (str, bytes)):
-            raise TypeError("server_args must be a sequence of strings, e.g. ['--reasoning', 'off']")
-        args = [str(a) for a in server_args]
-        self._options: dict[str, Any] = {
-            "bos_token": bos_token,
-            "eos_token": eos_token,
-            "add_bos": bool(add_bos),
-            "add_eos": bool(add_eos),
-            "server_args": tuple(args),
-            "media_marker": media_marker,
-            "fetch_remote_media": bool(fetch_remote_media),
-        }
-        self._model: _core.Model | None = None
-        self._gguf_path: str | None = None
-        self._core = _core.Template(
-            _utf8(source),
-            _utf8(bos_token),
-            _utf8(eos_token),
-            bool(add_bos),
-            bool(add_eos),
-            args,
-            _utf8(media_marker),
-            bool(fetch_remote_media),
+        args = _server_args(server_args, handler)
+        forced = _check_caps(caps)
+        self._setup(
+            source=source,
+            gguf_path=None,
+            model=None,
+            options={
+                "bos_token": bos_token,
+                "eos_token": eos_token,
+                "add_bos": bool(add_bos),
+                "add_eos": bool(add_eos),
+                "server_args": tuple(server_args),
+                "media_marker": media_marker,
+                "fetch_remote_media": bool(fetch_remote_media),
+                "caps": forced,
+                "handler": handler,
+                "hooks": tuple(hooks),
+            },
+            core=lambda: _core.Template(
+                _utf8(source),
+                _utf8(bos_token),
+                _utf8(eos_token),
+                bool(add_bos),
+                bool(add_eos),
+                args,
+                _utf8(media_marker),
+                bool(fetch_remote_media),
+                forced,
+                handler == "autoparser",
+            ),
         )
+
+    def _setup(self, *, source, gguf_path, model, options, core) -> None:
+        for hook in options["hooks"]:
+            if not (hasattr(hook, "before_request") or hasattr(hook, "after_params")):
+                raise TypeError("a hook needs a before_request(request) or after_params(params) method")
+        self._input_source = source
+        self._gguf_path = gguf_path
+        self._model = model
+        self._options = options
+        self._core = core()
 
     @classmethod
     def from_gguf(
@@ -118,6 +198,9 @@ class ChatTemplate:
         server_args: Sequence[str] = (),
         media_marker: str = DEFAULT_MEDIA_MARKER,
         fetch_remote_media: bool = False,
+        caps: Mapping[str, bool] | None = None,
+        handler: str = "auto",
+        hooks: Sequence[Any] = (),
     ) -> ChatTemplate:
         """Load a model's chat template as ``llama-server -m PATH`` does, with no weights.
 
@@ -130,7 +213,8 @@ class ChatTemplate:
             path: the GGUF file.
             chat_template: a template text that replaces the file's, as
                 ``--chat-template-file`` (the file's tokens still apply).
-            server_args, media_marker, fetch_remote_media: as for the constructor.
+            server_args, media_marker, fetch_remote_media, caps, handler, hooks: as for the
+                constructor.
 
         The result also tokenizes: :meth:`tokenize`, :meth:`detokenize`,
         :meth:`token_to_piece`, :meth:`apply_template_tokens`.
@@ -140,29 +224,54 @@ class ChatTemplate:
             TemplateError: the template in the file (or ``chat_template``) cannot be parsed.
             ServerArgsError: as for the constructor.
         """
-        if isinstance(server_args, (str, bytes)):
-            raise TypeError("server_args must be a sequence of strings, e.g. ['--reasoning', 'off']")
-        args = [str(a) for a in server_args]
+        args = _server_args(server_args, handler)
+        forced = _check_caps(caps)
         fspath = os.fspath(path)
-        model = _core.Model(fspath)
         override = b"" if chat_template is None else _utf8(chat_template)
         if chat_template is not None and not override:
             raise ValueError("chat_template is empty")
+        model = _core.Model(fspath)
         self = cls.__new__(cls)
-        self._model = model
-        self._gguf_path = fspath
-        self._core = _core.Template(model, override, args, _utf8(media_marker), bool(fetch_remote_media))
+        self._setup(
+            source=chat_template,
+            gguf_path=fspath,
+            model=model,
+            options={
+                "server_args": tuple(server_args),
+                "media_marker": media_marker,
+                "fetch_remote_media": bool(fetch_remote_media),
+                "caps": forced,
+                "handler": handler,
+                "hooks": tuple(hooks),
+                "add_bos": bool(model.add_bos),
+                "add_eos": bool(model.add_eos),
+            },
+            core=lambda: _core.Template(
+                model, override, args, _utf8(media_marker), bool(fetch_remote_media), forced, handler == "autoparser"
+            ),
+        )
         props = self._core.props()
-        self._options = {
-            "bos_token": props["bos_token"],
-            "eos_token": props["eos_token"],
-            "add_bos": bool(model.add_bos),
-            "add_eos": bool(model.add_eos),
-            "server_args": tuple(args),
-            "media_marker": media_marker,
-            "fetch_remote_media": bool(fetch_remote_media),
-        }
+        self._options["bos_token"] = props["bos_token"]
+        self._options["eos_token"] = props["eos_token"]
         return self
+
+    @classmethod
+    def builtin(cls, name: str, **options: Any) -> ChatTemplate:
+        """A built-in (non-Jinja) template by name, as ``llama-server --no-jinja
+        --chat-template NAME``: prompts come from ``llama_chat_apply_template`` through
+        ``common_chat_templates_apply_legacy``, requests with tools are refused as the server
+        refuses them. Names: :func:`builtin_template_names`.
+
+        Takes the constructor's keyword options (``--no-jinja`` is added to server_args).
+        Raises TemplateError for a name llama.cpp does not know.
+        """
+        if not _core.verify_template(_utf8(name), False):
+            raise TemplateError(
+                f"error: the supplied chat template is not supported: {name}\n"
+                "note: llama.cpp was started without --jinja, we only support commonly used templates"
+            )
+        args = [*options.pop("server_args", ()), "--no-jinja"]
+        return cls(name, server_args=args, **options)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], **options: Any) -> ChatTemplate:
@@ -183,6 +292,90 @@ class ChatTemplate:
         (``common_chat_templates_get_caps``: the tool_use variant's caps when there is one).
         """
         return dict(self._core.caps())
+
+    @property
+    def detected_caps(self) -> dict[str, bool]:
+        """The caps llama.cpp detected for this template (``jinja::caps_get``), before any
+        ``caps=`` override; equal to :attr:`caps` when nothing is forced."""
+        return dict(self._core.detected_caps())
+
+    @property
+    def handler(self) -> str:
+        """``"auto"`` (llama.cpp's choice), ``"autoparser"`` or ``"pure_content"``."""
+        return self._options["handler"]
+
+    @property
+    def hooks(self) -> tuple[Any, ...]:
+        """This template's own hooks (registered ones are in :func:`registered_hooks`)."""
+        return self._options["hooks"]
+
+    @property
+    def sha256(self) -> str:
+        """sha256 (hex) of :attr:`source`, UTF-8: the key of ``register_hook(match={"sha256": ...})``
+        and of the reference fixtures' ``template_sha256``."""
+        return template_sha256(self.source)
+
+    def with_caps(self, **caps: bool) -> ChatTemplate:
+        """A new ChatTemplate with the same template and options and these caps forced on top
+        of this one's (this object is unchanged). Raises ValueError for an unknown caps key."""
+        return self._rebuild(caps={**(self._options["caps"] or {}), **caps})
+
+    def _rebuild(self, **changes: Any) -> ChatTemplate:
+        opts = {k: v for k, v in self._options.items() if k not in ("add_bos", "add_eos", "bos_token", "eos_token")}
+        opts.update(changes)
+        if self._gguf_path is not None:
+            return type(self).from_gguf(self._gguf_path, chat_template=self._input_source, **opts)
+        opts.update({k: self._options[k] for k in ("add_bos", "add_eos", "bos_token", "eos_token")})
+        return type(self)(self._input_source, **opts)
+
+    def describe(self) -> dict[str, Any]:
+        """What llama.cpp decided for this template, as one dict: ``chat_format`` (for a
+        plain request) and ``chat_format_with_tools`` (``common_chat_format_name``),
+        ``handler`` asked for, whether a specialized handler or the differential
+        ``autoparser`` produced the params (for each), ``caps`` in force and
+        ``detected_caps``, ``supports_thinking``, ``thinking_start_tag``/``thinking_end_tags``,
+        the template variant requests with tools use (``"tool_use"`` or ``"default"``),
+        ``use_jinja`` and ``server_args``.
+
+        Raises what :meth:`apply` raises for the probe requests (a user turn; the same
+        with one tool) when the template cannot render them; the error text is then kept
+        under ``"error"``/``"error_with_tools"`` instead.
+        """
+        probe = {"messages": [{"role": "user", "content": "test"}]}
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "probe",
+                    "description": "probe",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+        ]
+        out: dict[str, Any] = {
+            "handler": self.handler,
+            "use_jinja": bool(self._core.use_jinja()),
+            "server_args": list(self.server_args),
+            "caps": self.caps,
+            "detected_caps": self.detected_caps,
+            "caps_forced": bool(self._options["caps"]),
+            "supports_thinking": self.supports_thinking,
+            "template_variant_with_tools": "tool_use" if self.tool_use_source else "default",
+        }
+        for suffix, body in (("", probe), ("_with_tools", {**probe, "tools": tools})):
+            try:
+                res = self._core.apply(_body(body))
+            except Error as e:
+                out["error" + suffix] = e.message
+                continue
+            chat = res["chat_params"]
+            out["chat_format" + suffix] = chat["format"]
+            out["autoparser" + suffix] = bool(out["use_jinja"]) and not res["specialized_handler"]
+            if not suffix:
+                out["thinking_start_tag"] = chat["thinking_start_tag"]
+                out["thinking_end_tags"] = chat["thinking_end_tags"]
+                out["generation_prompt"] = chat["generation_prompt"]
+        return out
 
     @property
     def source(self) -> str:
@@ -253,7 +446,20 @@ class ChatTemplate:
             RequestError: llama-server would answer 400.
             TemplateError: llama-server would answer 500 (e.g. the template raised).
         """
-        return self._core.apply_template(_body(request))
+        hooks = hooks_for(self, self._options["hooks"])
+        if not hooks:
+            return self._core.apply_template(_body(request))
+        if any(hasattr(h, "after_params") for h in hooks):
+            return self._apply_hooked(request, hooks).prompt
+        return self._core.apply_template(_body(_before(request, hooks)))
+
+    def _apply_hooked(self, request: Request, hooks: list[Any]) -> ChatParams:
+        params = ChatParams._from_core(self._core.apply(_body(_before(request, hooks))))
+        for hook in hooks:
+            after = getattr(hook, "after_params", None)
+            if after is not None:
+                params = after(params)
+        return params
 
     def apply(self, request: Request) -> ChatParams:
         """Everything the same call computes (``common_chat_params``): prompt, chat format,
@@ -261,6 +467,9 @@ class ChatTemplate:
 
         Raises the same errors as :meth:`apply_template`.
         """
+        hooks = hooks_for(self, self._options["hooks"])
+        if hooks:
+            return self._apply_hooked(request, hooks)
         return ChatParams._from_core(self._core.apply(_body(request)))
 
     def normalize(
