@@ -6,6 +6,11 @@
     llamaprompt normalize [--template FILE] [options] MESSAGES.json
     llamaprompt tokenize --gguf FILE [TEXT | -]
     llamaprompt inspect FILE.gguf
+    llamaprompt fixtures (--template FILE... | --templates DIR | --gguf FILE... | --pinned)
+                         [--requests R.json] -o OUT.json
+    llamaprompt check FIXTURES.json [--mask-dates]
+    llamaprompt diff REFERENCE.json OTHER.json [--format markdown|json]
+    llamaprompt serve (--template FILE... | --gguf FILE...) [--host H] [--port N]
 
 ``--gguf FILE`` (render, caps, props, normalize) takes the template from a model file.
 
@@ -20,12 +25,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from . import LLAMA_CPP_COMMIT, __version__
 from .errors import Error, RequestError
 from .gguf import gguf_metadata
-from .pinned import DEFAULT_TEMPLATE, pinned_template
+from .pinned import DEFAULT_TEMPLATE, pinned_template, pinned_templates
 from .samples import SAMPLE_REQUEST
 from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
 
@@ -152,7 +158,124 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="summarize arrays longer than N by type and length (default: 16)",
     )
+
+    def _multi_options(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("templates (each as llama-server loads it)")
+        g.add_argument(
+            "--template",
+            "-t",
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="FILE",
+            help="Jinja template files (repeatable)",
+        )
+        g.add_argument("--templates", metavar="DIR", help="every *.jinja file in DIR")
+        g.add_argument(
+            "--gguf",
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="FILE",
+            help="GGUF model files: template, BOS/EOS and add_bos/add_eos from each file",
+        )
+        g.add_argument("--pinned", action="store_true", help="every template of the pinned llama.cpp tree")
+        g.add_argument("--bos-token", default="", metavar="S", help="BOS text for template files (default: empty)")
+        g.add_argument("--eos-token", default="", metavar="S", help="EOS text for template files (default: empty)")
+        g.add_argument("--add-bos", action="store_true", help="template files: strip one leading BOS")
+        g.add_argument("--add-eos", action="store_true", help="template files: strip one trailing EOS")
+        g.add_argument("--media-marker", default=DEFAULT_MEDIA_MARKER, metavar="S")
+        g.add_argument(
+            "--server-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="one llama-server flag (repeatable); flags after a bare -- are added too",
+        )
+
+    p = sub.add_parser(
+        "fixtures",
+        help="render every template x request into a fixtures JSON file",
+        description="Render every template x request with llama.cpp's code and write a versioned fixtures "
+        "file (docs/fixtures.md): per template its sha256 and caps, per case the prompt or the error.",
+    )
+    _multi_options(p)
+    p.add_argument(
+        "--requests",
+        metavar="REQUESTS.json",
+        help="JSON object name -> request body (default: the request set shipped with llamaprompt)",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="fixtures file to write")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("check", help="re-render a fixtures file and report the cases that differ (exit 1)")
+    p.add_argument("fixtures", metavar="FIXTURES.json")
+    p.add_argument("--mask-dates", action="store_true", help="compare with dates printed by templates masked")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser(
+        "diff",
+        help="compare another renderer's prompts with reference fixtures",
+        description="OTHER holds another renderer's prompts: a fixtures file, or a minimal "
+        '{"template": {"request": "prompt"}} map. Prints how many templates agree, caps side by side '
+        "where OTHER has them, and each difference with its first differing offset and context.",
+    )
+    p.add_argument("reference", metavar="REFERENCE.json")
+    p.add_argument("other", metavar="OTHER.json")
+    p.add_argument("--format", choices=("markdown", "json"), default="markdown")
+    p.add_argument("--mask-dates", action="store_true", help="compare with dates masked")
+    p.add_argument("--context", type=int, default=30, metavar="N", help="characters of context (default 30)")
+
+    p = sub.add_parser(
+        "serve",
+        help="serve llama-server's /apply-template, /props, /tokenize ... with no model",
+        description="A model-free llama-server-compatible HTTP endpoint (needs: pip install 'llamaprompt[server]'). "
+        'Several templates at once: pick one with a "model" field or ?model=NAME (names: file names).',
+    )
+    _multi_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        metavar="N",
+        help="refuse larger request bodies with 413 (default 16 MiB)",
+    )
     return parser
+
+
+def _load_many(args: argparse.Namespace, server_args: list[str]) -> dict[str, ChatTemplate]:
+    """name -> ChatTemplate for fixtures/serve (names: file names, made unique)."""
+    paths = [Path(p) for p in args.template]
+    if args.templates:
+        paths += sorted(Path(args.templates).glob("*.jinja"))
+    if args.pinned:
+        paths += pinned_templates()
+    sargs = [*args.server_arg, *server_args]
+    out: dict[str, ChatTemplate] = {}
+
+    def name_for(path: Path) -> str:
+        name, i = path.name, 2
+        while name in out:
+            name, i = f"{path.name}#{i}", i + 1
+        return name
+
+    for path in paths:
+        out[name_for(path)] = ChatTemplate.from_file(
+            path,
+            bos_token=args.bos_token,
+            eos_token=args.eos_token,
+            add_bos=args.add_bos,
+            add_eos=args.add_eos,
+            media_marker=args.media_marker,
+            server_args=sargs,
+        )
+    for path in map(Path, args.gguf):
+        out[name_for(path)] = ChatTemplate.from_gguf(path, media_marker=args.media_marker, server_args=sargs)
+    if not out:
+        raise RequestError("no templates: give --template, --templates DIR, --gguf or --pinned")
+    return out
 
 
 def _read_bytes(path: str) -> bytes:
@@ -229,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, server_args = argv[:i], argv[i + 1 :]
     args = _parser().parse_args(argv)
     try:
+        if args.command in ("fixtures", "check", "diff", "serve"):
+            return _oracle(args, server_args)
         if args.command == "inspect":
             _print_json(gguf_metadata(args.file, max_array_items=args.max_array_items))
             return 0
@@ -279,6 +404,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"llamaprompt: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
+    from . import fixtures as fx
+
+    if args.command == "fixtures":
+        templates = _load_many(args, server_args)
+        requests = None if args.requests is None else _read_json(args.requests)
+        if requests is not None and not isinstance(requests, dict):
+            raise RequestError(f"{args.requests}: must be a JSON object name -> request body")
+        doc = fx.render_fixtures(templates, requests, progress=False if args.no_progress else None)
+        fx.write_fixtures(doc, args.output)
+        n = sum(len(t["cases"]) for t in doc["templates"].values())
+        print(
+            f"llamaprompt: wrote {len(doc['templates'])} templates x {len(doc['requests'])} requests "
+            f"({n} cases) to {args.output}",
+            file=sys.stderr,
+        )
+        return 0
+    if args.command == "check":
+        doc = fx.load_fixtures(args.fixtures)
+        result = fx.check_fixtures(doc, mask=args.mask_dates, progress=False if args.no_progress else None)
+        for tname, rname, want, got in result.differences:
+            print(f"DIFFERS {tname} / {rname}: recorded status {want.get('status')}, now {got.get('status')}")
+        print(
+            f"{result.checked - len(result.differences)} of {result.checked} cases match "
+            f"(fixtures from llama.cpp {doc.get('llama_cpp_commit')}, this build {LLAMA_CPP_COMMIT})"
+        )
+        return 0 if result.ok else 1
+    if args.command == "diff":
+        reference = fx.load_fixtures(args.reference)
+        other = _read_json(args.other)
+        if not isinstance(other, dict):
+            raise RequestError(f"{args.other}: must be a JSON object")
+        report = fx.diff_fixtures(reference, other, context=args.context, mask=args.mask_dates)
+        if args.format == "json":
+            _print_json(report)
+        else:
+            sys.stdout.write(fx.diff_markdown(report))
+        return 0 if report["templates_agree"] == report["templates_total"] else 1
+    # serve
+    from .server import serve
+
+    serve(_load_many(args, server_args), host=args.host, port=args.port, max_body_bytes=args.max_body_bytes)
     return 0
 
 

@@ -1,0 +1,392 @@
+"""Reference fixtures for other renderers: write, re-check and diff.
+
+A fixtures file records, for every template x request, the prompt llama-server's
+POST /apply-template returns (or its error), plus each template's caps. The schema is
+documented in docs/fixtures.md and shipped as ``fixtures.schema.json`` next to this module.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import LLAMA_CPP_COMMIT, __version__
+from .errors import Error
+from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+
+__all__ = [
+    "SCHEMA_ID",
+    "SCHEMA_VERSION",
+    "default_requests",
+    "schema",
+    "render_fixtures",
+    "write_fixtures",
+    "check_fixtures",
+    "diff_fixtures",
+    "CheckResult",
+    "mask_dates",
+]
+
+SCHEMA_ID = "llamaprompt-fixtures"
+SCHEMA_VERSION = 1
+_DATA = Path(__file__).resolve().parent / "data"
+
+
+def default_requests() -> dict[str, Any]:
+    """The request set shipped with llamaprompt (name -> OpenAI chat request body)."""
+    return json.loads((_DATA / "requests.json").read_text(encoding="utf-8"))
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a fixtures file."""
+    return json.loads((_DATA / "fixtures.schema.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------
+# dates
+
+_MONTHS = "Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"
+_MONTHS_LONG = "January|February|March|April|May|June|July|August|September|October|November|December"
+_DATE_RES = [
+    re.compile(rf"\b\d{{2}} (?:{_MONTHS}) \d{{4}}\b"),  # %d %b %Y (Llama 3.x "Today Date")
+    re.compile(rf"\b(?:{_MONTHS}) \d{{2}} \d{{4}}\b"),  # %b %d %Y
+    re.compile(rf"\b(?:{_MONTHS_LONG}) \d{{2}}, \d{{4}}\b"),  # %B %d, %Y
+    re.compile(r"\b\d{4}-\d{2}-\d{2}\b"),  # %Y-%m-%d
+]
+
+
+def mask_dates(prompt: str) -> str:
+    """Replace the date strings templates print (``common_chat_extra_context``'s
+    ``%d %b %Y`` / ``%b %d %Y`` and the pinned templates' ``strftime_now`` formats) by
+    ``<DATE>``."""
+    for rx in _DATE_RES:
+        prompt = rx.sub("<DATE>", prompt)
+    return prompt
+
+
+# ---------------------------------------------------------------------------------------
+# writing
+
+
+def _progress(iterable: Iterable[Any], total: int, desc: str, enabled: bool | None) -> Iterable[Any]:
+    show = sys.stderr.isatty() if enabled is None else enabled
+    if not show:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="template", file=sys.stderr)
+
+
+def _case(template: ChatTemplate, request: Any) -> dict[str, Any]:
+    try:
+        return {"status": 200, "prompt": template.apply_template(request)}
+    except Error as e:
+        err = e.to_json()["error"]
+        return {"status": err["code"], "error": err}
+
+
+def _template_entry(template: ChatTemplate, kind: str, path: str | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "kind": kind,
+        "path": path,
+        "template_sha256": template.sha256,
+        "caps": template.caps,
+        "chat_template": template.source,
+        "bos_token": template.bos_token,
+        "eos_token": template.eos_token,
+        "add_bos": template.add_bos,
+        "add_eos": template.add_eos,
+    }
+    if template.tool_use_source:
+        entry["chat_template_tool_use"] = template.tool_use_source
+    return entry
+
+
+def render_fixtures(
+    templates: Mapping[str, ChatTemplate] | Sequence[tuple[str, ChatTemplate]],
+    requests: Mapping[str, Any] | None = None,
+    *,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Render every template x request into a fixtures document (a dict; see docs/fixtures.md).
+
+    Args:
+        templates: name -> ChatTemplate (names become the keys under ``"templates"``).
+        requests: name -> request body; default :func:`default_requests`.
+        progress: show a progress bar on stderr (default: when stderr is a terminal).
+    """
+    items = list(templates.items()) if isinstance(templates, Mapping) else list(templates)
+    reqs = dict(default_requests() if requests is None else requests)
+    first = items[0][1] if items else None
+    doc: dict[str, Any] = {
+        "schema": SCHEMA_ID,
+        "schema_version": SCHEMA_VERSION,
+        "llama_cpp_commit": LLAMA_CPP_COMMIT,
+        "llamaprompt_version": __version__,
+        "rendered_on": _dt.date.today().isoformat(),
+        "options": {
+            "media_marker": first.media_marker if first else DEFAULT_MEDIA_MARKER,
+            "server_args": list(first.server_args) if first else [],
+        },
+        "requests": reqs,
+        "templates": {},
+    }
+    for name, tmpl in _progress(items, len(items), "fixtures", progress):
+        entry = _template_entry(tmpl, "gguf" if tmpl.gguf_path else "file", tmpl.gguf_path)
+        entry["media_marker"] = tmpl.media_marker
+        entry["server_args"] = list(tmpl.server_args)
+        entry["cases"] = {rname: _case(tmpl, body) for rname, body in reqs.items()}
+        doc["templates"][name] = entry
+    return doc
+
+
+def write_fixtures(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write a fixtures document as UTF-8 JSON (2-space indent, non-ASCII kept)."""
+    text = json.dumps(doc, indent=2, ensure_ascii=False)
+    Path(path).write_text(text + "\n", encoding="utf-8")
+
+
+def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a fixtures file; raises ValueError when it is not one (wrong schema id/version)."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
+        raise ValueError(f'{path}: not a llamaprompt fixtures file (no "schema": "{SCHEMA_ID}")')
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema_version {doc.get('schema_version')} is not {SCHEMA_VERSION}")
+    return doc
+
+
+def template_from_entry(entry: Mapping[str, Any]) -> ChatTemplate:
+    """Rebuild the ChatTemplate a fixtures entry was rendered with: the GGUF file when the
+    entry came from one and the file is still there, else the recorded template text with
+    the recorded BOS/EOS and add_bos/add_eos."""
+    opts = {
+        "server_args": entry.get("server_args", []),
+        "media_marker": entry.get("media_marker", DEFAULT_MEDIA_MARKER),
+    }
+    if entry.get("kind") == "gguf" and entry.get("path") and Path(entry["path"]).exists():
+        return ChatTemplate.from_gguf(entry["path"], **opts)
+    return ChatTemplate(
+        entry["chat_template"],
+        bos_token=entry.get("bos_token", ""),
+        eos_token=entry.get("eos_token", ""),
+        add_bos=bool(entry.get("add_bos", False)),
+        add_eos=bool(entry.get("add_eos", False)),
+        **opts,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# check
+
+
+@dataclass
+class CheckResult:
+    """What :func:`check_fixtures` found: ``checked`` cases, and ``differences`` as
+    ``(template, request, expected_case, actual_case)`` tuples."""
+
+    checked: int = 0
+    differences: list[tuple[str, str, dict, dict]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+
+def _same(a: Mapping[str, Any], b: Mapping[str, Any], masked: bool) -> bool:
+    if a.get("status") != b.get("status"):
+        return False
+    if a.get("status") == 200:
+        pa, pb = a.get("prompt", ""), b.get("prompt", "")
+        return (mask_dates(pa) == mask_dates(pb)) if masked else pa == pb
+    return (a.get("error") or {}).get("message") == (b.get("error") or {}).get("message")
+
+
+def check_fixtures(doc: Mapping[str, Any], *, mask: bool = False, progress: bool | None = None) -> CheckResult:
+    """Re-render every case of a fixtures document with this build of llama.cpp and
+    report the cases whose prompt or error differs (``mask`` compares with dates masked)."""
+    result = CheckResult()
+    requests = doc["requests"]
+    entries = list(doc["templates"].items())
+    for name, entry in _progress(entries, len(entries), "check", progress):
+        try:
+            tmpl = template_from_entry(entry)
+        except Error as e:
+            got = {"status": e.status or 500, "error": {"message": e.message}}
+            for rname, case in entry["cases"].items():
+                result.checked += 1
+                result.differences.append((name, rname, case, got))
+            continue
+        for rname, case in entry["cases"].items():
+            result.checked += 1
+            got = _case(tmpl, requests[rname])
+            if not _same(case, got, mask):
+                result.differences.append((name, rname, case, got))
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# diff
+
+
+def _other_cases(other: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict]]:
+    """(cases, caps) per template from an OTHER file: the fixtures schema, or a minimal
+    ``{template: {request: prompt | null | {"status":..., "error":...}}}`` map."""
+    if other.get("schema") == SCHEMA_ID:
+        cases = {t: dict(e.get("cases", {})) for t, e in other["templates"].items()}
+        caps = {t: e["caps"] for t, e in other["templates"].items() if isinstance(e.get("caps"), dict)}
+        return cases, caps
+    cases: dict[str, dict[str, Any]] = {}
+    for tname, reqs in other.items():
+        if not isinstance(reqs, Mapping):
+            raise ValueError(f"OTHER: template {tname!r} must map request names to prompts")
+        out: dict[str, Any] = {}
+        for rname, value in reqs.items():
+            if isinstance(value, str):
+                out[rname] = {"status": 200, "prompt": value}
+            elif isinstance(value, Mapping):
+                out[rname] = dict(value)
+            elif value is None:
+                out[rname] = {"status": None}
+            else:
+                raise ValueError(f"OTHER: {tname}/{rname}: expected a prompt string, null or a case object")
+        cases[tname] = out
+    return cases, {}
+
+
+def _first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _window(s: str, at: int, width: int) -> str:
+    start = max(0, at - width)
+    return ("…" if start else "") + s[start : at + width] + ("…" if at + width < len(s) else "")
+
+
+def diff_fixtures(
+    reference: Mapping[str, Any], other: Mapping[str, Any], *, context: int = 30, mask: bool = False
+) -> dict[str, Any]:
+    """Compare another renderer's prompts with a reference fixtures document.
+
+    Returns a report dict: ``summary`` ("N of M templates agree"), ``templates_agree``,
+    ``templates_total``, and per template (of the reference) the cases compared and
+    agreeing, caps side by side when OTHER has them, and each difference with the first
+    differing character offset and a context window from both sides. Cases OTHER lacks are
+    listed as ``missing``.
+    """
+    other_cases, other_caps = _other_cases(other)
+    report: dict[str, Any] = {"templates": {}}
+    agree_templates = 0
+    compared_templates = 0
+    for tname, entry in reference["templates"].items():
+        mine = other_cases.get(tname)
+        t: dict[str, Any] = {"compared": 0, "agree": 0, "differences": [], "missing": []}
+        if mine is None:
+            t["missing_template"] = True
+            report["templates"][tname] = t
+            continue
+        compared_templates += 1
+        if tname in other_caps:
+            caps_diff = {
+                k: {"reference": v, "other": other_caps[tname].get(k)}
+                for k, v in entry["caps"].items()
+                if other_caps[tname].get(k) != v
+            }
+            t["caps"] = {"reference": entry["caps"], "other": other_caps[tname], "differ": caps_diff}
+        for rname, ref_case in entry["cases"].items():
+            if rname not in mine:
+                t["missing"].append(rname)
+                continue
+            got = mine[rname]
+            t["compared"] += 1
+            if got.get("status") is None and ref_case.get("status") != 200:
+                t["agree"] += 1  # OTHER says "no prompt" where llama-server errors
+                continue
+            if _same(ref_case, got, mask):
+                t["agree"] += 1
+                continue
+            d: dict[str, Any] = {
+                "request": rname,
+                "reference_status": ref_case.get("status"),
+                "other_status": got.get("status"),
+            }
+            if ref_case.get("status") == 200 and got.get("status") == 200:
+                a, b = ref_case["prompt"], got["prompt"]
+                if mask:
+                    a, b = mask_dates(a), mask_dates(b)
+                at = _first_difference(a, b)
+                d.update(
+                    offset=at,
+                    reference=_window(a, at, context),
+                    other=_window(b, at, context),
+                    reference_length=len(a),
+                    other_length=len(b),
+                )
+            else:
+                d["reference"] = ref_case.get("prompt", (ref_case.get("error") or {}).get("message"))
+                d["other"] = got.get("prompt", (got.get("error") or {}).get("message"))
+            t["differences"].append(d)
+        if t["compared"] and t["agree"] == t["compared"] and not t.get("caps", {}).get("differ"):
+            agree_templates += 1
+        report["templates"][tname] = t
+    report["templates_agree"] = agree_templates
+    report["templates_total"] = len(reference["templates"])
+    report["templates_compared"] = compared_templates
+    report["summary"] = f"{agree_templates} of {len(reference['templates'])} templates agree"
+    report["llama_cpp_commit"] = reference.get("llama_cpp_commit")
+    return report
+
+
+def _md_code(s: Any) -> str:
+    text = json.dumps(s, ensure_ascii=False)
+    return "`" + text.replace("`", "\\u0060") + "`"
+
+
+def diff_markdown(report: Mapping[str, Any]) -> str:
+    """The diff report as Markdown: the table a renderer author pastes into a bug report."""
+    lines = [f"**{report['summary']}** (reference: llama.cpp {report.get('llama_cpp_commit')})", ""]
+    lines += ["| template | cases agree | caps |", "|---|---|---|"]
+    for tname, t in report["templates"].items():
+        if t.get("missing_template"):
+            lines.append(f"| {tname} | not in OTHER | |")
+            continue
+        caps = t.get("caps")
+        caps_cell = (
+            ""
+            if caps is None
+            else (
+                "same"
+                if not caps["differ"]
+                else ", ".join(f"{k}: {v['reference']} vs {v['other']}" for k, v in caps["differ"].items())
+            )
+        )
+        lines.append(f"| {tname} | {t['agree']} of {t['compared']} | {caps_cell} |")
+    for tname, t in report["templates"].items():
+        if not t.get("differences") and not t.get("missing"):
+            continue
+        lines += ["", f"### {tname}"]
+        for d in t["differences"]:
+            if "offset" in d:
+                lines.append(f"- `{d['request']}`: first difference at offset {d['offset']}")
+                lines.append(f"  - reference: {_md_code(d['reference'])}")
+                lines.append(f"  - other:     {_md_code(d['other'])}")
+            else:
+                lines.append(
+                    f"- `{d['request']}`: reference status {d['reference_status']}, other status {d['other_status']}"
+                )
+                lines.append(f"  - reference: {_md_code(d['reference'])}")
+                lines.append(f"  - other:     {_md_code(d['other'])}")
+        if t.get("missing"):
+            lines.append(f"- missing in OTHER: {', '.join(t['missing'])}")
+    return "\n".join(lines) + "\n"

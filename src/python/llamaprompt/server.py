@@ -1,0 +1,187 @@
+"""A model-free HTTP endpoint with llama-server's paths and JSON shapes.
+
+    pip install "llamaprompt[server]"
+    llamaprompt serve --template T.jinja [--template U.jinja ...] [--gguf M.gguf ...] [--port 8080]
+
+Routes (llama-server's): ``POST /apply-template``, ``GET /props``, ``POST /tokenize``,
+``POST /detokenize`` (GGUF-backed templates), ``GET /health``, ``GET /models`` and
+``/v1/models``. Several templates are served at once; a request picks one with a
+``"model"`` field in its body or ``?model=NAME`` (default: the first). Errors use
+llama-server's status codes and ``{"error": {"code", "message", "type"}}`` body.
+
+Built on Starlette + uvicorn (the ``server`` extra). Rendering runs in a thread pool; the
+GIL is released inside llama.cpp, so requests are served in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import Error
+from .template import ChatTemplate
+
+__all__ = ["create_app", "serve", "DEFAULT_MAX_BODY_BYTES"]
+
+#: Bodies larger than this are refused with 413 (llama-server has no such limit; a
+#: public-facing oracle needs one).
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _error(status: int, message: str, kind: str | None = None):
+    from starlette.responses import JSONResponse
+
+    kind = kind or {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        501: "not_supported_error",
+    }.get(status, "server_error")
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
+
+
+def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """A Starlette app serving ``templates`` (name -> ChatTemplate; the first is the default)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    if not templates:
+        raise ValueError("serve needs at least one template")
+    names = list(templates)
+
+    async def read_body(request: Request) -> bytes | None:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            return None
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                return None
+        return body
+
+    def pick(request: Request, body: Any) -> tuple[str, ChatTemplate] | None:
+        name = request.query_params.get("model")
+        if name is None and isinstance(body, dict) and isinstance(body.get("model"), str):
+            name = body["model"]
+            if name not in templates:
+                name = names[0] if len(names) == 1 else name  # one model: llama-server ignores the field
+        name = name or names[0]
+        return (name, templates[name]) if name in templates else None
+
+    async def with_template(request: Request, fn):
+        raw = await read_body(request)
+        if raw is None:
+            return _error(413, f"request body larger than {max_body_bytes} bytes")
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = None  # llama.cpp parses the raw body and reports the error
+        chosen = pick(request, parsed)
+        if chosen is None:
+            return _error(404, "model not found")
+        try:
+            return JSONResponse(await run_in_threadpool(fn, chosen[1], raw, parsed))
+        except Error as e:
+            status = e.status or 500
+            return _error(status, e.message)
+        except (TypeError, ValueError) as e:
+            return _error(400, str(e))
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def props(request: Request):
+        chosen = pick(request, None)
+        if chosen is None:
+            return _error(404, "model not found")
+        name, t = chosen
+        data = dict(t.props())
+        data["model_alias"] = name
+        data["modalities"] = {"vision": True, "audio": True, "video": True}
+        return JSONResponse(data)
+
+    async def models(request: Request):
+        return JSONResponse(
+            {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "llamaprompt"} for n in names]}
+        )
+
+    def do_apply(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
+        return {"prompt": t.apply_template(raw)}
+
+    def do_tokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
+        if t.gguf_path is None:
+            raise Error("tokenize needs a GGUF-backed model (serve --gguf)", 501)
+        if not isinstance(parsed, dict):
+            raise Error("request body must be a JSON object", 500)
+        if "content" not in parsed:
+            return {"tokens": []}
+        content = parsed["content"]
+        if not isinstance(content, str):
+            raise TypeError("content must be a string")
+        ids = t.tokenize(
+            content,
+            add_special=bool(parsed.get("add_special", False)),
+            parse_special=bool(parsed.get("parse_special", True)),
+        ).tolist()
+        if parsed.get("with_pieces"):
+            out = []
+            for i in ids:
+                piece = t.token_to_piece(i)
+                try:
+                    out.append({"id": i, "piece": piece.decode("utf-8")})
+                except UnicodeDecodeError:
+                    out.append({"id": i, "piece": list(piece)})
+            return {"tokens": out}
+        return {"tokens": ids}
+
+    def do_detokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
+        if t.gguf_path is None:
+            raise Error("detokenize needs a GGUF-backed model (serve --gguf)", 501)
+        if not isinstance(parsed, dict):
+            raise Error("request body must be a JSON object", 500)
+        tokens = parsed.get("tokens", [])
+        if not isinstance(tokens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
+            raise TypeError("tokens must be a list of integers")
+        return {"content": t.detokenize(tokens)}
+
+    async def apply_template(request: Request):
+        return await with_template(request, do_apply)
+
+    async def tokenize(request: Request):
+        return await with_template(request, do_tokenize)
+
+    async def detokenize(request: Request):
+        return await with_template(request, do_detokenize)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
+        Route("/props", props, methods=["GET"]),
+        Route("/models", models, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def serve(
+    templates: Mapping[str, ChatTemplate],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+) -> None:
+    """Run the endpoint with uvicorn until interrupted (binds to loopback by default)."""
+    try:
+        import uvicorn
+    except ImportError as e:  # pragma: no cover - depends on the extra
+        raise SystemExit('llamaprompt serve needs the server extra: pip install "llamaprompt[server]"') from e
+    uvicorn.run(create_app(templates, max_body_bytes=max_body_bytes), host=host, port=port, log_level=log_level)

@@ -1,0 +1,295 @@
+"""The reference oracle: fixtures -> check round trip, diff against planted differences,
+and the model-free llama-server-compatible HTTP endpoint."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import llamaprompt
+from conftest import load_reference, mask_dates, template_path, vocab_gguf
+from llamaprompt import fixtures as fx
+
+CLI = [sys.executable, "-m", "llamaprompt.cli"]
+FEW = [
+    "Qwen-Qwen3-0.6B.jinja",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "google-gemma-2-2b-it.jinja",
+    "openai-gpt-oss-120b.jinja",
+    "moonshotai-Kimi-K2.jinja",
+]
+
+
+@pytest.fixture(scope="module")
+def few_doc():
+    templates = {
+        n: llamaprompt.ChatTemplate.from_file(template_path(n), bos_token="<s>", eos_token="</s>", add_bos=True)
+        for n in FEW
+    }
+    return fx.render_fixtures(templates, progress=False)
+
+
+def test_default_requests_cover_the_list():
+    names = set(fx.default_requests())
+    for want in (
+        "plain_chat",
+        "system",
+        "multi_turn",
+        "typed_text_parts",
+        "tools",
+        "tool_call_only",
+        "tool_result_string",
+        "tool_result_json",
+        "parallel_tool_calls",
+        "reasoning_only_turn",
+        "reasoning_and_content",
+        "enable_thinking_off",
+        "reasoning_effort",
+        "assistant_prefill",
+        "developer_role",
+        "empty_assistant_turn",
+        "unicode_and_special_tokens",
+        "image",
+        "audio",
+        "text_image_text",
+    ):
+        assert want in names
+
+
+def test_fixtures_document_shape(few_doc):
+    assert few_doc["schema"] == "llamaprompt-fixtures" and few_doc["schema_version"] == 1
+    assert few_doc["llama_cpp_commit"] == llamaprompt.LLAMA_CPP_COMMIT
+    entry = few_doc["templates"]["Qwen-Qwen3-0.6B.jinja"]
+    assert entry["template_sha256"] == llamaprompt.ChatTemplate.from_file(template_path(FEW[0])).sha256
+    assert entry["cases"]["plain_chat"]["status"] == 200
+    err = entry["cases"]["error_content_number"]
+    assert err == {
+        "status": 400,
+        "error": {
+            "code": 400,
+            "type": "invalid_request_error",
+            "message": "Expected 'content' to be a string or an array",
+        },
+    }
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(few_doc, fx.schema())
+
+
+def test_fixture_prompts_match_the_reference_server(few_doc):
+    # the same template x request rendered by llama-server (fixtures of ../shared/reference)
+    ref = load_reference("apply_template.json")
+    req = ref["requests"]["system_multi_turn"]
+    t = fx.template_from_entry(few_doc["templates"]["meta-llama-Llama-3.1-8B-Instruct.jinja"])
+    want = ref["variants"][0]["templates"]["meta-llama-Llama-3.1-8B-Instruct.jinja"]["cases"]["system_multi_turn"]
+    assert mask_dates(t.apply_template(req), ref["rendered_on"]) == want["prompt"]
+
+
+def test_check_round_trip_and_planted_change(tmp_path, few_doc):
+    path = tmp_path / "fx.json"
+    fx.write_fixtures(few_doc, path)
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n = sum(len(t["cases"]) for t in few_doc["templates"].values())
+    assert f"{n} of {n} cases match" in proc.stdout
+    bad = copy.deepcopy(few_doc)
+    bad["templates"]["google-gemma-2-2b-it.jinja"]["cases"]["system"]["prompt"] += "!"
+    fx.write_fixtures(bad, path)
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stdout.count("DIFFERS") == 1 and "google-gemma-2-2b-it.jinja / system" in proc.stdout
+
+
+def test_check_mask_dates(few_doc):
+    doc = copy.deepcopy(few_doc)
+    case = doc["templates"]["meta-llama-Llama-3.1-8B-Instruct.jinja"]["cases"]["plain_chat"]
+    assert "Today Date: " in case["prompt"]
+    import re
+
+    case["prompt"] = re.sub(r"Today Date: [^\n]*", "Today Date: 01 Jan 2001", case["prompt"])
+    assert not fx.check_fixtures(doc, progress=False).ok
+    assert fx.check_fixtures(doc, mask=True, progress=False).ok
+
+
+def test_diff_names_exactly_the_planted_differences(few_doc):
+    other = {t: {r: c.get("prompt") for r, c in e["cases"].items()} for t, e in few_doc["templates"].items()}
+    other["Qwen-Qwen3-0.6B.jinja"]["tools"] = other["Qwen-Qwen3-0.6B.jinja"]["tools"].replace("<tools>", "<TOOLS>", 1)
+    p = other["google-gemma-2-2b-it.jinja"]["multi_turn"]
+    other["google-gemma-2-2b-it.jinja"]["multi_turn"] = p[:10] + "X" + p[11:]
+    del other["moonshotai-Kimi-K2.jinja"]["audio"]
+    report = fx.diff_fixtures(few_doc, other, context=5)
+    assert report["summary"] == "3 of 5 templates agree"
+    diffs = {(t, d["request"]) for t, e in report["templates"].items() for d in e["differences"]}
+    assert diffs == {("Qwen-Qwen3-0.6B.jinja", "tools"), ("google-gemma-2-2b-it.jinja", "multi_turn")}
+    gemma = report["templates"]["google-gemma-2-2b-it.jinja"]["differences"][0]
+    assert gemma["offset"] == 10 and "X" in gemma["other"]
+    qwen = report["templates"]["Qwen-Qwen3-0.6B.jinja"]["differences"][0]
+    ref_prompt = few_doc["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["tools"]["prompt"]
+    assert qwen["offset"] == ref_prompt.index("<tools>") + 1
+    assert report["templates"]["moonshotai-Kimi-K2.jinja"]["missing"] == ["audio"]
+    md = fx.diff_markdown(report)
+    assert md.startswith("**3 of 5 templates agree**") and "first difference at offset 10" in md
+
+
+def test_diff_caps_side_by_side(tmp_path, few_doc):
+    other = copy.deepcopy(few_doc)
+    other["templates"]["Qwen-Qwen3-0.6B.jinja"]["caps"]["supports_typed_content"] = True
+    report = fx.diff_fixtures(few_doc, other)
+    assert report["summary"] == "4 of 5 templates agree"
+    caps = report["templates"]["Qwen-Qwen3-0.6B.jinja"]["caps"]
+    assert caps["differ"] == {"supports_typed_content": {"reference": False, "other": True}}
+    ref_path, other_path = tmp_path / "ref.json", tmp_path / "other.json"
+    fx.write_fixtures(few_doc, ref_path)
+    fx.write_fixtures(other, other_path)
+    proc = subprocess.run([*CLI, "diff", str(ref_path), str(other_path), "--format", "json"], capture_output=True)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["templates_agree"] == 4
+
+
+def test_fixtures_cli(tmp_path):
+    reqs = tmp_path / "r.json"
+    reqs.write_text(json.dumps({"hi": {"messages": [{"role": "user", "content": "hi"}]}}))
+    out = tmp_path / "o.json"
+    proc = subprocess.run(
+        [
+            *CLI,
+            "fixtures",
+            "-t",
+            str(template_path(FEW[0])),
+            str(template_path(FEW[2])),
+            "--gguf",
+            str(vocab_gguf("ggml-vocab-phi-3.gguf")),
+            "--requests",
+            str(reqs),
+            "-o",
+            str(out),
+            "--",
+            "--reasoning",
+            "off",
+        ],
+        capture_output=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert list(doc["templates"]) == [FEW[0], FEW[2], "ggml-vocab-phi-3.gguf"]
+    assert doc["templates"]["ggml-vocab-phi-3.gguf"]["kind"] == "gguf"
+    assert doc["options"]["server_args"] == ["--reasoning", "off"]
+    assert doc["templates"][FEW[0]]["cases"]["hi"]["prompt"].endswith("<think>\n\n</think>\n\n")
+
+
+# ---------------------------------------------------------------------------------------
+# HTTP endpoint
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    uvicorn = pytest.importorskip("uvicorn")
+    from llamaprompt.server import create_app
+
+    ref = load_reference("apply_template.json")
+    tok = ref["model_tokens"]
+    templates = {
+        name: llamaprompt.ChatTemplate.from_file(
+            template_path(name),
+            bos_token=tok["bos_token"],
+            eos_token=tok["eos_token"],
+            add_bos=tok["add_bos"],
+            add_eos=tok["add_eos"],
+        )
+        for name in ref["variants"][0]["templates"]
+    }
+    templates["phi3.gguf"] = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-phi-3.gguf"))
+    port = _free_port()
+    config = uvicorn.Config(
+        create_app(templates, max_body_bytes=64 * 1024), host="127.0.0.1", port=port, log_level="warning"
+    )
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _http(url, body=None, raw=None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_reference_requests(server):
+    ref = load_reference("apply_template.json")
+    jobs = [(t, r, c) for t, e in ref["variants"][0]["templates"].items() for r, c in e["cases"].items()]
+
+    def one(job):
+        tname, rname, case = job
+        status, body = _http(f"{server}/apply-template?model={tname}", ref["requests"][rname])
+        if status != case["status"]:
+            return f"{tname}/{rname}: status {status} != {case['status']}"
+        if status == 200 and mask_dates(body["prompt"], ref["rendered_on"]) != case["prompt"]:
+            return f"{tname}/{rname}: prompt differs"
+        if status != 200 and body != {"error": case["error"]}:
+            return f"{tname}/{rname}: error {body} != {case['error']}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # concurrent requests
+        problems = [p for p in pool.map(one, jobs) if p]
+    assert not problems, "\n".join(problems[:20])
+    assert len(jobs) == 50 * 35
+
+
+def test_server_model_field_props_health_and_errors(server):
+    ref = load_reference("apply_template.json")
+    body = dict(ref["requests"]["basic"], model="google-gemma-2-2b-it.jinja")
+    status, out = _http(f"{server}/apply-template", body)
+    assert status == 200
+    assert out["prompt"] == ref["variants"][0]["templates"]["google-gemma-2-2b-it.jinja"]["cases"]["basic"]["prompt"]
+    status, props = _http(f"{server}/props?model=Qwen-Qwen3-0.6B.jinja")
+    assert (
+        status == 200
+        and props["chat_template_caps"] == ref["variants"][0]["templates"]["Qwen-Qwen3-0.6B.jinja"]["caps"]
+    )
+    assert props["bos_token"] == "<s>" and props["media_marker"] == "<__media__>"
+    assert _http(f"{server}/health") == (200, {"status": "ok"})
+    status, models = _http(f"{server}/v1/models")
+    assert status == 200 and len(models["data"]) == 51
+    status, err = _http(f"{server}/apply-template?model=nope", ref["requests"]["basic"])
+    assert status == 404 and err["error"]["type"] == "not_found_error"
+    status, err = _http(f"{server}/apply-template", raw=b'{"messages": [')
+    assert status == 500 and "parse error" in err["error"]["message"]
+    status, err = _http(f"{server}/apply-template", raw=b'{"messages": "' + b"x" * 100_000 + b'"}')
+    assert status == 413
+
+
+def test_server_tokenize(server):
+    t = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-phi-3.gguf"))
+    status, out = _http(f"{server}/tokenize?model=phi3.gguf", {"content": "Hello <|user|>", "add_special": True})
+    assert status == 200 and out["tokens"] == t.tokenize("Hello <|user|>", add_special=True).tolist()
+    status, back = _http(f"{server}/detokenize?model=phi3.gguf", {"tokens": out["tokens"]})
+    assert status == 200 and "Hello" in back["content"]
+    status, pieces = _http(f"{server}/tokenize?model=phi3.gguf", {"content": "Hi", "with_pieces": True})
+    assert status == 200 and all({"id", "piece"} <= set(p) for p in pieces["tokens"])
+    status, err = _http(f"{server}/tokenize?model=Qwen-Qwen3-0.6B.jinja", {"content": "x"})
+    assert status == 501
