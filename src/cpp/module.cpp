@@ -15,6 +15,7 @@ namespace llamaprompt {
 void register_template(py::module_ & m);
 void register_model(py::module_ & m);
 void register_builtin(py::module_ & m);
+void register_parse(py::module_ & m);
 }
 
 PYBIND11_MODULE(_core, m) {
@@ -31,4 +32,5 @@ PYBIND11_MODULE(_core, m) {
     llamaprompt::register_template(m);
     llamaprompt::register_model(m);
     llamaprompt::register_builtin(m);
+    llamaprompt::register_parse(m);
 }

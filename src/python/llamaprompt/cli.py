@@ -149,6 +149,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-parse-special", action="store_true", help="treat special-token text as plain text")
     p.add_argument("--pieces", action="store_true", help="print [{id, piece}] like with_pieces")
 
+    p = sub.add_parser(
+        "parse",
+        help="parse model output as llama-server does (content, reasoning_content, tool calls)",
+        description="Render REQUEST with the template (as POST /apply-template), then parse OUTPUT (the text a "
+        "model generated after that prompt) as llama-server parses it; prints choices[0].message as JSON, "
+        "or with --stream the OpenAI delta objects, one JSON per line.",
+    )
+    _template_options(p)
+    p.add_argument("--request", required=True, metavar="REQUEST.json", help="the request the output answers")
+    p.add_argument("output", metavar="OUTPUT.txt", help="generated text, or - for stdin")
+    p.add_argument("--partial", action="store_true", help="parse as an unfinished generation")
+    p.add_argument("--stream", action="store_true", help="print streaming deltas (fed in 8-character chunks)")
+
     p = sub.add_parser("inspect", help="print a GGUF file's metadata (llama.cpp's gguf reader)")
     p.add_argument("file", metavar="FILE", help="GGUF file")
     p.add_argument(
@@ -385,6 +398,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompt = template.apply_template(request)
                 sys.stdout.buffer.write(prompt.encode("utf-8", "surrogateescape"))
                 sys.stdout.flush()
+        elif args.command == "parse":
+            params = template.apply(_read_bytes(args.request))
+            text = _read_bytes(args.output).decode("utf-8", "surrogateescape")
+            if args.stream:
+                stream = params.stream_parser()
+                deltas = [d for i in range(0, len(text), 8) for d in stream.feed(text[i : i + 8])]
+                deltas += stream.finish()
+                for d in deltas:
+                    sys.stdout.write(json.dumps(d, ensure_ascii=False) + "\n")
+            else:
+                _print_json(params.parse(text, partial=args.partial))
         elif args.command == "describe":
             _print_json(template.describe())
         elif args.command == "caps":

@@ -45,11 +45,55 @@ class ChatParams:
     parser: str
     message_delimiters: Any
     llama_params: dict[str, Any] = field(repr=False)
+    _origin: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def _from_core(cls, result: dict[str, Any]) -> ChatParams:
+    def _from_core(cls, result: dict[str, Any], origin: Any = None) -> ChatParams:
         chat = result["chat_params"]
-        return cls(llama_params=result["llama_params"], **chat)
+        return cls(llama_params=result["llama_params"], _origin=origin, **chat)
+
+    def parse(
+        self,
+        text: str | bytes,
+        *,
+        partial: bool = False,
+        reasoning_format: str | None = None,
+        parse_tool_calls: bool | None = None,
+    ) -> dict[str, Any]:
+        """The assistant message llama-server returns in ``choices[0].message`` for this
+        generated text: ``role``, ``content``, ``reasoning_content`` (when the reasoning
+        format separates it) and ``tool_calls`` (``[{"id", "type": "function", "function":
+        {"name", "arguments" (JSON text)}}]``; ids are random, as llama-server's).
+
+        The parser is the one ``common_chat_templates_apply`` built for this request
+        (``parser``, ``format``, ``generation_prompt``), with llama-server's parameters
+        (``eval_llama_cmpl_schema``): ``reasoning_format`` defaults to the server's
+        (``--reasoning-format``, default ``deepseek``; ``none`` keeps reasoning in content),
+        ``parse_tool_calls`` to the server's (on).
+
+        Args:
+            text: the generated text (what follows the prompt).
+            partial: parse as an unfinished generation (never raises; returns what is
+                complete so far).
+
+        Raises:
+            TemplateError: status 500, "The model produced output that does not match the
+                expected <format> format", when ``partial`` is false and the parser cannot
+                accept the text -- llama-server fails such a request with that error.
+        """
+        from .parse import _utf8, output_parser
+
+        core = output_parser(self, reasoning_format=reasoning_format, parse_tool_calls=parse_tool_calls, stream=False)
+        return core.parse(_utf8(text), bool(partial))
+
+    def stream_parser(self, *, reasoning_format: str | None = None, parse_tool_calls: bool | None = None):
+        """A :class:`~llamaprompt.parse.StreamParser` giving the OpenAI streaming deltas
+        llama-server sends while this request's output is generated (``stream: true``)."""
+        from .parse import StreamParser, output_parser
+
+        return StreamParser(
+            output_parser(self, reasoning_format=reasoning_format, parse_tool_calls=parse_tool_calls, stream=True)
+        )
 
     @property
     def stop(self) -> list[str]:

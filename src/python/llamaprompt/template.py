@@ -179,6 +179,10 @@ class ChatTemplate:
             ),
         )
 
+    @property
+    def _core_server_args(self) -> list[str]:
+        return _server_args(self._options["server_args"], self._options["handler"])
+
     def _setup(self, *, source, gguf_path, model, options, core) -> None:
         for hook in options["hooks"]:
             if not (hasattr(hook, "before_request") or hasattr(hook, "after_params")):
@@ -454,7 +458,7 @@ class ChatTemplate:
         return self._core.apply_template(_body(_before(request, hooks)))
 
     def _apply_hooked(self, request: Request, hooks: list[Any]) -> ChatParams:
-        params = ChatParams._from_core(self._core.apply(_body(_before(request, hooks))))
+        params = ChatParams._from_core(self._core.apply(_body(_before(request, hooks))), self)
         for hook in hooks:
             after = getattr(hook, "after_params", None)
             if after is not None:
@@ -470,7 +474,7 @@ class ChatTemplate:
         hooks = hooks_for(self, self._options["hooks"])
         if hooks:
             return self._apply_hooked(request, hooks)
-        return ChatParams._from_core(self._core.apply(_body(request)))
+        return ChatParams._from_core(self._core.apply(_body(request)), self)
 
     def normalize(
         self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None

@@ -1,0 +1,136 @@
+// _core.OutputParser: llama-server's reading of generated text for one request.
+//
+// The request's llama_params (what oaicompat_chat_params_parse returned) go through
+// llama-server's own eval_llama_cmpl_schema (tools/server/server-schema.cpp) to get the
+// task's common_chat_parser_params; the text goes through task_result_state::update_chat_msg
+// (server-task.cpp: common_chat_parse, tool-call ids, common_chat_msg_diff::compute_diffs);
+// messages and deltas are serialized by to_json_oaicompat / server_chat_msg_diff_to_json_oaicompat.
+#include "errors.h"
+#include "model.h"
+#include "shim.h"
+#include "text.h"
+
+#include "server-chat.h"
+#include "server-schema.h"
+#include "server-task.h"
+
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace llamaprompt {
+
+namespace {
+
+// fields of the completion schema whose handlers need a vocab (GGML_ASSERT(ctx.vocab));
+// they only set sampling parameters, never the chat parser's
+const char * const vocab_fields[] = {
+    "preserved_tokens", "grammar_triggers", "reasoning_budget_tokens", "reasoning_budget_start_tag",
+    "reasoning_budget_end_tags", "reasoning_budget_message", "logit_bias",
+};
+
+}  // namespace
+
+class core_output_parser {
+  public:
+    // llama_params_text: the JSON object oaicompat_chat_params_parse returned for the request
+    core_output_parser(const std::string & llama_params_text, const std::vector<std::string> & server_args,
+                       std::shared_ptr<core_model> model, const std::string & reasoning_format,
+                       std::optional<bool> parse_tool_calls, bool stream) {
+        params_ = call_upstream([&]() {
+            common_params base = parse_server_args(server_args);
+            json data = json::parse(llama_params_text);
+            if (!model) {
+                for (const char * f : vocab_fields) {
+                    data.erase(f);
+                }
+            }
+            if (!reasoning_format.empty()) {
+                data["reasoning_format"] = reasoning_format;
+            }
+            if (parse_tool_calls.has_value()) {
+                data["parse_tool_calls"] = *parse_tool_calls;
+            }
+            data["stream"] = stream;
+            const llama_vocab * vocab = model ? model->vocab() : nullptr;
+            task_params tp = server_schema::eval_llama_cmpl_schema(vocab, base, {}, data);
+            return tp.chat_parser_params;
+        });
+        model_ = std::move(model);
+        reset();
+    }
+
+    void reset() { state_ = std::make_unique<task_result_state>(params_); }
+
+    // one-shot parse of the whole text, as the final (non-streamed) response computes it
+    py::object parse(const std::string & text, bool partial) {
+        std::string out = call_upstream([&]() {
+            task_result_state st(params_);
+            std::vector<common_chat_msg_diff> diffs;
+            common_chat_msg msg = st.update_chat_msg(text, partial, diffs);
+            if (msg.empty()) {
+                msg.role = "assistant";
+            }
+            return msg.to_json_oaicompat().dump();
+        });
+        return json_text_to_py(out);
+    }
+
+    // streaming: the OpenAI deltas llama-server sends for this chunk
+    py::object feed(const std::string & chunk, bool is_final) {
+        std::string out = call_upstream([&]() {
+            std::vector<common_chat_msg_diff> diffs;
+            state_->update_chat_msg(chunk, !is_final, diffs);
+            json arr = json::array();
+            for (const auto & d : diffs) {
+                arr.push_back(server_chat_msg_diff_to_json_oaicompat(d));
+            }
+            return arr.dump();
+        });
+        return json_text_to_py(out);
+    }
+
+    py::object message() const {
+        common_chat_msg msg = state_->chat_msg;
+        if (msg.empty()) {
+            msg.role = "assistant";
+        }
+        return json_to_py(msg.to_json_oaicompat());
+    }
+
+    py::dict settings() const {
+        py::dict d;
+        d["format"] = common_chat_format_name(params_.format);
+        d["reasoning_format"] = common_reasoning_format_name(params_.reasoning_format);
+        d["reasoning_in_content"] = params_.reasoning_in_content;
+        d["parse_tool_calls"] = params_.parse_tool_calls;
+        d["is_continuation"] = params_.is_continuation;
+        d["generation_prompt"] = text_to_py(params_.generation_prompt);
+        return d;
+    }
+
+  private:
+    common_chat_parser_params params_;
+    std::unique_ptr<task_result_state> state_;
+    std::shared_ptr<core_model> model_;
+};
+
+void register_parse(py::module_ & m) {
+    py::class_<core_output_parser>(m, "OutputParser")
+        .def(py::init<const std::string &, const std::vector<std::string> &, std::shared_ptr<core_model>,
+                      const std::string &, std::optional<bool>, bool>(),
+             py::arg("llama_params"), py::arg("server_args"), py::arg("model"), py::arg("reasoning_format"),
+             py::arg("parse_tool_calls"), py::arg("stream"))
+        .def("parse", &core_output_parser::parse, py::arg("text"), py::arg("partial"))
+        .def("feed", &core_output_parser::feed, py::arg("chunk"), py::arg("is_final"))
+        .def("message", &core_output_parser::message)
+        .def("reset", &core_output_parser::reset)
+        .def("settings", &core_output_parser::settings);
+}
+
+}  // namespace llamaprompt
