@@ -22,7 +22,14 @@ void register_errors(py::module_ & m) {
             }
             py::object errors = py::module_::import("llamaprompt.errors");
             py::object status = e.status ? py::object(py::int_(e.status)) : py::object(py::none());
-            py::object exc = errors.attr(cls)(py::str(e.what()), status);
+            // llama.cpp's message may quote request or template bytes that are not UTF-8
+            const std::string text = e.what();
+            PyObject * msg = PyUnicode_DecodeUTF8(text.data(), (Py_ssize_t) text.size(), "replace");
+            if (!msg) {
+                PyErr_Clear();
+                msg = PyUnicode_FromString("(undecodable message)");
+            }
+            py::object exc = errors.attr(cls)(py::reinterpret_steal<py::str>(msg), status);
             PyErr_SetObject(py::type::handle_of(exc).ptr(), exc.ptr());
         }
     });

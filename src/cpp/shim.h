@@ -10,6 +10,7 @@
 #include "server-common.h"
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,9 +20,13 @@ namespace llamaprompt {
 
 // Which handler common_chat_templates_apply_jinja may use, and which it used, for the
 // calls made on this thread while a scoped_handler is alive.
+struct analysis_cache;  // per-template results of autoparser::analyze_template (shim_chat.cpp)
+std::shared_ptr<analysis_cache> make_analysis_cache();
+
 struct handler_state {
     bool skip_specialized = false;  // in: take the differential autoparser path
     bool specialized_used = false;  // out: a specialized handler produced the params
+    analysis_cache * cache = nullptr;  // in: reuse the template analysis (null: analyze every call)
 };
 class scoped_handler {
   public:

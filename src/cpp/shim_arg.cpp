@@ -1,7 +1,13 @@
 // common/arg.cpp, compiled here to reach its non-exiting parser common_params_parse_ex.
 // The public common_params_parse prints and calls exit() on --help, --version and
-// errors, which must never happen inside a Python process.
-#include "arg.cpp"
+// errors, which must never happen inside a Python process. The copy included is the build
+// tree's (see CMakeLists.txt): llama.cpp's config.ini files are not applied.
+#include "common.h"
+
+// llama-server applies /etc/llama.cpp/config.ini and ~/.config/llama.cpp/config.ini here
+static void llamaprompt_no_system_config(common_params &, enum llama_example) {}
+
+#include "arg.cpp"  // the generated copy
 
 #include "shim.h"
 
@@ -12,11 +18,14 @@ namespace llamaprompt {
 
 namespace {
 
-// flags whose handlers print something and call exit(), or only print usage
+// flags whose handlers print something and call exit(), only print usage, or change the
+// process-wide llama.cpp log (which llamaprompt routes to Python's logging)
 const std::set<std::string> & exiting_flags() {
     static const std::set<std::string> flags = {
         "-h", "--help", "--usage", "--version", "--completion-bash",
         "-cl", "--cache-list", "--list-devices",
+        "--log-file", "--log-disable", "--log-colors", "--log-prefix", "--no-log-prefix", "--log-timestamps",
+        "--no-log-timestamps", "-v", "--verbose", "--log-verbose", "-lv", "--verbosity", "--log-verbosity",
     };
     return flags;
 }
@@ -35,12 +44,17 @@ common_params parse_server_args(const std::vector<std::string> & args) {
     for (const auto & a : args) {
         const std::string flag = normalized_flag(a);
         if (exiting_flags().count(flag)) {
-            throw std::invalid_argument("server_args: " + a + " only prints information and exits llama-server; it is not accepted here");
+            throw std::invalid_argument("server_args: " + a +
+                                        " prints and exits, or changes llama.cpp's process-wide log; it is not "
+                                        "accepted here (llama.cpp's log goes to logging.getLogger(\"llamaprompt\"))");
         }
     }
 
     common_params params;
     common_params_context ctx = common_params_parser_init(params, LLAMA_EXAMPLE_SERVER, nullptr);
+    // common_params_parse_ex starts by setting the log threshold from params.verbosity:
+    // keep llama.cpp's common log as silent as the module made it (no global change, no race)
+    ctx.params.verbosity = common_log_get_verbosity_thold();
     // llama-server would also read LLAMA_ARG_* environment variables; a library call
     // must not depend on its process environment, so every option forgets its variable
     for (auto & opt : ctx.options) {
@@ -57,15 +71,11 @@ common_params parse_server_args(const std::vector<std::string> & args) {
     }
     argv.push_back(nullptr);
 
-    // common_params_parse_ex sets the log threshold from --verbosity; keep ours
-    const int verbosity = common_log_get_verbosity_thold();
     try {
         common_params_parse_ex((int) argv_storage.size(), argv.data(), ctx);
     } catch (const std::exception & e) {
-        common_log_set_verbosity_thold(verbosity);
         throw std::invalid_argument(e.what());
     }
-    common_log_set_verbosity_thold(verbosity);
 
     const common_params & p = ctx.params;
     auto model_given = [](const common_params_model & m) {

@@ -9,6 +9,9 @@
 #include "chat.h"
 #include "shim.h"
 
+#include <cstdint>
+#include <ctime>
+#include <mutex>
 #include <optional>
 
 namespace llamaprompt {
@@ -26,6 +29,53 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
         current_handler->specialized_used = result.has_value();
     }
     return result;
+}
+
+namespace llamaprompt {
+
+// analyze_template's result depends only on the template (its source and caps) -- and on
+// the date, which a template may print; the key holds all three. One cache per ChatTemplate.
+struct analysis_cache {
+    std::mutex mutex;
+    std::map<std::string, std::shared_ptr<const autoparser::autoparser>> results;
+};
+
+std::shared_ptr<analysis_cache> make_analysis_cache() { return std::make_shared<analysis_cache>(); }
+
+static std::string analysis_key(const common_chat_template & tmpl) {
+    char day[32];
+    const std::time_t now = std::time(nullptr);
+    std::tm tm_now{};
+#if defined(_WIN32)
+    localtime_s(&tm_now, &now);
+#else
+    localtime_r(&now, &tm_now);
+#endif
+    std::strftime(day, sizeof(day), "%Y-%m-%d", &tm_now);
+    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + tmpl.original_caps().to_string() + "|" + day;
+}
+
+}  // namespace llamaprompt
+
+static void llamaprompt_analyze_template(autoparser::autoparser & ap, const common_chat_template & tmpl) {
+    using namespace llamaprompt;
+    analysis_cache * cache = current_handler ? current_handler->cache : nullptr;
+    if (!cache) {
+        ap.analyze_template(tmpl);
+        return;
+    }
+    const std::string key = analysis_key(tmpl);
+    {
+        std::lock_guard<std::mutex> lock(cache->mutex);
+        auto it = cache->results.find(key);
+        if (it != cache->results.end()) {
+            ap = *it->second;
+            return;
+        }
+    }
+    ap.analyze_template(tmpl);  // outside the lock: analyses of different keys run in parallel
+    std::lock_guard<std::mutex> lock(cache->mutex);
+    cache->results.emplace(key, std::make_shared<const autoparser::autoparser>(ap));
 }
 
 #include "thread_safe_time.h"

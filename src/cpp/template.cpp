@@ -63,9 +63,10 @@ class core_template {
     core_template(const std::string & source, const std::string & bos_token, const std::string & eos_token,
                   bool add_bos, bool add_eos, const std::vector<std::string> & server_args,
                   const std::string & media_marker, bool fetch_remote_media,
-                  const std::map<std::string, bool> & caps, bool skip_specialized) {
+                  const std::map<std::string, bool> & caps, bool skip_specialized, bool cache_analysis) {
         caps_override_ = caps;
         handler_.skip_specialized = skip_specialized;
+        set_cache(cache_analysis);
         common_params params = parse_args(server_args);
         if (source.empty()) {
             // common_chat_templates_init would take the model's template (GGML_ASSERT(model))
@@ -75,7 +76,7 @@ class core_template {
             common_chat_templates_ptr tmpls = common_chat_templates_init(nullptr, source, bos_token, eos_token);
             templates_set_add_bos_eos(tmpls.get(), add_bos, add_eos);
             return tmpls;
-        });
+        }, source);
     }
 
     // a model's template, as llama-server -m FILE [--chat-template-file F] loads it:
@@ -83,9 +84,11 @@ class core_template {
     // the tool_use variant (or chatml), the BOS/EOS text and add_bos/add_eos from the vocab
     core_template(std::shared_ptr<core_model> model, const std::string & chat_template_override,
                   const std::vector<std::string> & server_args, const std::string & media_marker,
-                  bool fetch_remote_media, const std::map<std::string, bool> & caps, bool skip_specialized) {
+                  bool fetch_remote_media, const std::map<std::string, bool> & caps, bool skip_specialized,
+                  bool cache_analysis) {
         caps_override_ = caps;
         handler_.skip_specialized = skip_specialized;
+        set_cache(cache_analysis);
         common_params params = parse_args(server_args);
         const llama_vocab * vocab = model->vocab();
         // the BOS/EOS text GET /props reports (server-context.cpp: common_token_to_piece(ctx, id, true))
@@ -93,9 +96,11 @@ class core_template {
         const llama_token eos_id = llama_vocab_eos(vocab);
         const std::string bos = bos_id != LLAMA_TOKEN_NULL ? common_token_to_piece(vocab, bos_id, true) : "";
         const std::string eos = eos_id != LLAMA_TOKEN_NULL ? common_token_to_piece(vocab, eos_id, true) : "";
+        const char * in_file = llama_model_chat_template(model->model(), nullptr);
+        const std::string shown = !chat_template_override.empty() ? chat_template_override : (in_file ? in_file : "");
         init(params, media_marker, fetch_remote_media, bos, eos, [&]() {
             return common_chat_templates_init(model->model(), chat_template_override);
-        });
+        }, shown);
     }
 
     std::map<std::string, bool> caps() const { return common_chat_templates_get_caps(opt_.tmpls.get()); }
@@ -110,21 +115,17 @@ class core_template {
 
     // the chat-template part of GET /props (get_res_props in server-context.cpp)
     py::object props() const {
-        json props = json::object();
-        props["chat_template"] = source("");
-        json caps_json = json::object();
-        for (const auto & [k, v] : caps()) {
-            caps_json[k] = v;
-        }
-        props["chat_template_caps"] = caps_json;
-        props["bos_token"] = bos_token_;
-        props["eos_token"] = eos_token_;
-        props["media_marker"] = call_.media_marker;
+        py::dict props;
+        props["chat_template"] = text_to_py(source(""));
+        props["chat_template_caps"] = caps();
+        props["bos_token"] = text_to_py(bos_token_);
+        props["eos_token"] = text_to_py(eos_token_);
+        props["media_marker"] = text_to_py(call_.media_marker);
         const std::string tool_use = source("tool_use");
         if (use_jinja_ && !tool_use.empty()) {
-            props["chat_template_tool_use"] = tool_use;
+            props["chat_template_tool_use"] = text_to_py(tool_use);
         }
-        return json_to_py(props);
+        return props;
     }
 
     // POST /apply-template: the prompt
@@ -170,6 +171,13 @@ class core_template {
     }
 
   private:
+    void set_cache(bool on) {
+        if (on) {
+            cache_ = make_analysis_cache();
+            handler_.cache = cache_.get();
+        }
+    }
+
     static common_params parse_args(const std::vector<std::string> & server_args) {
         try {
             py::gil_scoped_release nogil;
@@ -181,7 +189,7 @@ class core_template {
 
     template <typename F>
     void init(const common_params & params, const std::string & media_marker, bool fetch_remote_media,
-              const std::string & bos, const std::string & eos, F && make_templates) {
+              const std::string & bos, const std::string & eos, F && make_templates, const std::string & source) {
         call_.media_marker = media_marker;
         call_.fetch_remote_media = fetch_remote_media;
         bos_token_ = bos;
@@ -209,6 +217,16 @@ class core_template {
         }
         logs.emit();
         if (!opt_.tmpls) {
+            if (message == "std::exception" && !source.empty()) {
+                // common_chat_templates_init rethrows a parse error as `throw e;` (a copy sliced
+                // to std::exception); the parser's own message comes from parsing it again
+                py::gil_scoped_release nogil;
+                try {
+                    common_chat_template probe(source, bos, eos);
+                } catch (const std::exception & e) {
+                    message = e.what();
+                }
+            }
             throw error(error_kind::template_, 0, message.empty() ? "failed to load the chat template" : message);
         }
     }
@@ -216,6 +234,7 @@ class core_template {
     server_chat_params opt_;
     call_options call_;
     handler_state handler_;
+    std::shared_ptr<analysis_cache> cache_;
     std::map<std::string, bool> caps_override_;
     std::map<std::string, bool> detected_caps_;
     std::string bos_token_;
@@ -227,14 +246,14 @@ void register_template(py::module_ & m) {
     py::class_<core_template>(m, "Template")
         .def(py::init<const std::string &, const std::string &, const std::string &, bool, bool,
                       const std::vector<std::string> &, const std::string &, bool,
-                      const std::map<std::string, bool> &, bool>(),
+                      const std::map<std::string, bool> &, bool, bool>(),
              py::arg("source"), py::arg("bos_token"), py::arg("eos_token"), py::arg("add_bos"),
              py::arg("add_eos"), py::arg("server_args"), py::arg("media_marker"), py::arg("fetch_remote_media"),
-             py::arg("caps"), py::arg("skip_specialized"))
+             py::arg("caps"), py::arg("skip_specialized"), py::arg("cache_analysis"))
         .def(py::init<std::shared_ptr<core_model>, const std::string &, const std::vector<std::string> &,
-                      const std::string &, bool, const std::map<std::string, bool> &, bool>(),
+                      const std::string &, bool, const std::map<std::string, bool> &, bool, bool>(),
              py::arg("model"), py::arg("chat_template"), py::arg("server_args"), py::arg("media_marker"),
-             py::arg("fetch_remote_media"), py::arg("caps"), py::arg("skip_specialized"))
+             py::arg("fetch_remote_media"), py::arg("caps"), py::arg("skip_specialized"), py::arg("cache_analysis"))
         .def("detected_caps", &core_template::detected_caps)
         .def("use_jinja", &core_template::use_jinja)
         .def("caps", &core_template::caps)

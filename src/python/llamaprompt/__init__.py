@@ -12,6 +12,8 @@ receive -- with no model weights, no server and no GPU.
 
 from __future__ import annotations
 
+import logging as _logging
+
 from ._core import LLAMA_CPP_COMMIT
 from ._version import __version__
 from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
@@ -21,6 +23,10 @@ from .legacy import builtin_template_names, llama_chat_apply_template
 from .params import ChatParams
 from .pinned import pinned_template, pinned_templates
 from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+
+# llama.cpp's log lines reach logging.getLogger("llamaprompt.llama_cpp"); silent unless the
+# application configures logging (the library convention: a NullHandler on our logger)
+_logging.getLogger("llamaprompt").addHandler(_logging.NullHandler())
 
 __all__ = [
     "LLAMA_CPP_COMMIT",

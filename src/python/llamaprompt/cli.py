@@ -162,6 +162,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partial", action="store_true", help="parse as an unfinished generation")
     p.add_argument("--stream", action="store_true", help="print streaming deltas (fed in 8-character chunks)")
 
+    p = sub.add_parser(
+        "render-dataset",
+        help="render a conversation dataset (JSONL or Parquet) into Parquet, streaming",
+        description="Render every row of IN (.jsonl: one request-like object per line with 'messages' and "
+        "optional 'tools'/'chat_template_kwargs'; .parquet: a 'messages' column and optional 'tools' / "
+        "'chat_template_kwargs' columns) with llama.cpp's code into OUT.parquet: the input columns plus "
+        "'prompt', 'error' (llama.cpp's message for a row that fails) and, with --tokens, 'tokens'. Streams "
+        "in batches, so memory stays bounded.",
+    )
+    _template_options(p)
+    p.add_argument("input", metavar="IN", help="input .jsonl or .parquet file")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.parquet")
+    p.add_argument("--tokens", action="store_true", help="add prompt tokens (needs --gguf)")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default 1)")
+    p.add_argument("--batch-rows", type=int, default=2048, metavar="N", help="rows per batch (default 2048)")
+    p.add_argument("--ray", action="store_true", help="run the batches on Ray Data (pip install 'llamaprompt[ray]')")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     p = sub.add_parser("inspect", help="print a GGUF file's metadata (llama.cpp's gguf reader)")
     p.add_argument("file", metavar="FILE", help="GGUF file")
     p.add_argument(
@@ -398,6 +416,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompt = template.apply_template(request)
                 sys.stdout.buffer.write(prompt.encode("utf-8", "surrogateescape"))
                 sys.stdout.flush()
+        elif args.command == "render-dataset":
+            from .data import render_file
+
+            n = render_file(
+                template,
+                args.input,
+                args.output,
+                tokens=args.tokens,
+                workers=args.workers,
+                batch_rows=args.batch_rows,
+                progress=False if args.no_progress else None,
+                use_ray=args.ray,
+            )
+            print(f"llamaprompt: rendered {n} rows into {args.output}", file=sys.stderr)
         elif args.command == "parse":
             params = template.apply(_read_bytes(args.request))
             text = _read_bytes(args.output).decode("utf-8", "surrogateescape")
@@ -425,8 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = f" (HTTP {e.status})" if e.status else ""
         print(f"llamaprompt: {type(e).__name__}{status}: {e.message}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as e:
-        print(f"llamaprompt: {e}", file=sys.stderr)
+    except (OSError, ValueError, TypeError, UnicodeError) as e:
+        print(f"llamaprompt: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 0
 

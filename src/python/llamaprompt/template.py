@@ -11,7 +11,7 @@ from typing import Any, Union
 import numpy as np
 
 from . import _core
-from .errors import Error, TemplateError
+from .errors import Error, RequestError, TemplateError
 from .hooks import hooks_for, template_sha256
 from .params import ChatParams
 
@@ -25,10 +25,21 @@ DEFAULT_MEDIA_MARKER = "<__media__>"
 Request = Union[Mapping[str, Any], str, bytes]
 
 
-def _utf8(text: str | bytes) -> bytes:
+def _utf8(text: str | bytes, what: str = "value") -> bytes:
     if isinstance(text, bytes):
         return text
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be str or bytes, not {type(text).__name__}")
     return text.encode("utf-8", "surrogateescape")
+
+
+def _path(path: Any) -> str:
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if "\x00" in p:
+        raise ValueError("path contains a NUL byte")
+    return p
 
 
 _HANDLERS = ("auto", "autoparser", "pure_content")
@@ -50,7 +61,13 @@ def _server_args(server_args: Sequence[str], handler: str) -> list[str]:
         raise TypeError("server_args must be a sequence of strings, e.g. ['--reasoning', 'off']")
     if handler not in _HANDLERS:
         raise ValueError(f"handler must be one of {', '.join(_HANDLERS)}, not {handler!r}")
-    args = [str(a) for a in server_args]
+    args = []
+    for a in server_args:
+        if not isinstance(a, str):
+            raise TypeError(f"server_args items must be str, not {type(a).__name__}")
+        if "\x00" in a or any(0xD800 <= ord(c) <= 0xDFFF for c in a):
+            raise ValueError(f"server_args item {a!r} is not valid text")
+        args.append(a)
     if handler == "pure_content":
         args.append("--skip-chat-parsing")  # llama-server's force-pure-content mode
     return args
@@ -84,7 +101,13 @@ def _body(request: Request) -> bytes:
         return _utf8(request)
     if not isinstance(request, Mapping):
         raise TypeError(f"request must be a mapping or JSON text, not {type(request).__name__}")
-    return json.dumps(request, ensure_ascii=False).encode("utf-8", "surrogateescape")
+    try:
+        text = json.dumps(dict(request), ensure_ascii=False, allow_nan=False)
+    except ValueError as e:  # NaN/Infinity: not JSON, llama-server could never receive it
+        raise RequestError(f"request is not valid JSON: {e}", 400) from None
+    except RecursionError:
+        raise RequestError("request is nested too deeply", 400) from None
+    return text.encode("utf-8", "surrogateescape")
 
 
 class ChatTemplate:
@@ -119,6 +142,11 @@ class ChatTemplate:
             ``"pure_content"`` (llama-server's ``--skip-chat-parsing`` force-pure-content mode).
         hooks: objects with ``before_request(request)`` and/or ``after_params(params)``
             (see :mod:`llamaprompt.hooks`); they run before the registered ones.
+        cache_analysis: reuse llama.cpp's per-template differential analysis
+            (``autoparser::analyze_template``, which depends only on the template) across
+            requests instead of repeating it on every call as llama-server does. Outputs are
+            identical (the test suite proves it for every reference case); ``False`` runs the
+            unmodified upstream sequence on every call.
 
     Raises:
         TemplateError: the template cannot be parsed (llama-server would not start),
@@ -144,9 +172,13 @@ class ChatTemplate:
         caps: Mapping[str, bool] | None = None,
         handler: str = "auto",
         hooks: Sequence[Any] = (),
+        cache_analysis: bool = True,
     ) -> None:
         if not isinstance(source, (str, bytes)):
             raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
+        for name, value in (("bos_token", bos_token), ("eos_token", eos_token), ("media_marker", media_marker)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, not {type(value).__name__}")
         args = _server_args(server_args, handler)
         forced = _check_caps(caps)
         self._setup(
@@ -164,6 +196,7 @@ class ChatTemplate:
                 "caps": forced,
                 "handler": handler,
                 "hooks": tuple(hooks),
+                "cache_analysis": bool(cache_analysis),
             },
             core=lambda: _core.Template(
                 _utf8(source),
@@ -176,6 +209,7 @@ class ChatTemplate:
                 bool(fetch_remote_media),
                 forced,
                 handler == "autoparser",
+                bool(cache_analysis),
             ),
         )
 
@@ -205,6 +239,7 @@ class ChatTemplate:
         caps: Mapping[str, bool] | None = None,
         handler: str = "auto",
         hooks: Sequence[Any] = (),
+        cache_analysis: bool = True,
     ) -> ChatTemplate:
         """Load a model's chat template as ``llama-server -m PATH`` does, with no weights.
 
@@ -230,7 +265,9 @@ class ChatTemplate:
         """
         args = _server_args(server_args, handler)
         forced = _check_caps(caps)
-        fspath = os.fspath(path)
+        fspath = _path(path)
+        if not isinstance(media_marker, str):
+            raise TypeError(f"media_marker must be a str, not {type(media_marker).__name__}")
         override = b"" if chat_template is None else _utf8(chat_template)
         if chat_template is not None and not override:
             raise ValueError("chat_template is empty")
@@ -247,11 +284,19 @@ class ChatTemplate:
                 "caps": forced,
                 "handler": handler,
                 "hooks": tuple(hooks),
+                "cache_analysis": bool(cache_analysis),
                 "add_bos": bool(model.add_bos),
                 "add_eos": bool(model.add_eos),
             },
             core=lambda: _core.Template(
-                model, override, args, _utf8(media_marker), bool(fetch_remote_media), forced, handler == "autoparser"
+                model,
+                override,
+                args,
+                _utf8(media_marker),
+                bool(fetch_remote_media),
+                forced,
+                handler == "autoparser",
+                bool(cache_analysis),
             ),
         )
         props = self._core.props()
@@ -284,7 +329,7 @@ class ChatTemplate:
         Takes the same keyword options as the constructor. Raises ``OSError`` when the
         file cannot be read, and what the constructor raises.
         """
-        with open(path, "rb") as f:
+        with open(_path(path), "rb") as f:
             data = f.read()
         return cls(data, **options)
 
@@ -531,14 +576,17 @@ class ChatTemplate:
         Returns a ``numpy.ndarray`` of dtype int32 and shape ``(n,)``.
         Raises TypeError for a template not loaded from a GGUF file.
         """
-        return self._vocab().tokenize(_utf8(text), bool(add_special), bool(parse_special))
+        return self._vocab().tokenize(_utf8(text, "text"), bool(add_special), bool(parse_special))
 
     def detokenize(self, tokens: Iterable[int] | np.ndarray) -> str:
         """Text for token ids, as POST /detokenize (``tokens_to_str``).
 
         Raises ValueError for ids outside ``[0, vocab_size)``.
         """
-        ids = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError("tokens must be a 1-D sequence of integers")
+        ids = [int(t) for t in arr]
         self._check_ids(ids)
         return self._vocab().detokenize(ids)
 
@@ -548,6 +596,8 @@ class ChatTemplate:
 
         Raises ValueError for an id outside ``[0, vocab_size)``.
         """
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise TypeError(f"token must be an int, not {type(token).__name__}")
         self._check_ids([int(token)])
         return self._vocab().token_to_piece(int(token), bool(special))
 
@@ -573,8 +623,27 @@ class ChatTemplate:
         prompt = self.apply_template(request)
         return self.tokenize(prompt, add_special=True, parse_special=True)
 
+    # -- pickling: rebuilt from its source (or GGUF path) and options in the other process
+
+    def __reduce__(self):
+        keys = ("server_args", "media_marker", "fetch_remote_media", "caps", "handler", "hooks", "cache_analysis")
+        opts = {k: self._options[k] for k in keys}
+        if self._gguf_path is not None:
+            return (_from_gguf, (self._gguf_path, self._input_source, opts))
+        for k in ("bos_token", "eos_token", "add_bos", "add_eos"):
+            opts[k] = self._options[k]
+        return (_from_source, (self._input_source, opts))
+
     def __repr__(self) -> str:
         if self._gguf_path is not None:
             return f"ChatTemplate.from_gguf({self._gguf_path!r}, server_args={list(self.server_args)!r})"
         head = self.source[:40]
         return f"ChatTemplate({head!r}..., server_args={list(self.server_args)!r})"
+
+
+def _from_source(source: str | bytes, options: dict[str, Any]) -> ChatTemplate:
+    return ChatTemplate(source, **options)
+
+
+def _from_gguf(path: str, chat_template: str | bytes | None, options: dict[str, Any]) -> ChatTemplate:
+    return ChatTemplate.from_gguf(path, chat_template=chat_template, **options)

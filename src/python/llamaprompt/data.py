@@ -1,0 +1,353 @@
+"""Render (and tokenize) whole conversation datasets in batches.
+
+    from llamaprompt.data import render_table
+    out = render_table(template, table, messages="messages", tools="tools", tokens=False, threads=2)
+
+Every prompt is what llama-server's POST /apply-template returns for the request built
+from one row; one bad row never fails the batch (its ``error`` column holds llama.cpp's
+message). Needs ``pyarrow`` (the ``datasets`` extra). Threads share one ChatTemplate (the
+GIL is released while llama.cpp renders); worker processes each rebuild it from a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .errors import Error
+from .template import ChatTemplate
+
+__all__ = ["render_table", "render_rows", "as_arrow_table", "build_request", "RenderBatch"]
+
+
+def _pa():
+    try:
+        import pyarrow as pa
+    except ImportError as e:  # pragma: no cover - depends on the extra
+        raise ImportError('llamaprompt.data needs pyarrow: pip install "llamaprompt[datasets]"') from e
+    return pa
+
+
+def as_arrow_table(data: Any):
+    """A ``pyarrow.Table`` from a Table, RecordBatch, list of dicts, dict of columns, pandas or
+    polars DataFrame, Hugging Face ``datasets.Dataset`` or anything with ``__arrow_c_stream__``.
+    Raises TypeError for anything else."""
+    pa = _pa()
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    if isinstance(data, list):
+        return _table_from_rows(data)
+    if isinstance(data, Mapping):
+        return pa.table(dict(data))
+    hf = getattr(data, "data", None)  # datasets.Dataset keeps an Arrow table in .data.table
+    if hf is not None and isinstance(getattr(hf, "table", None), pa.Table):
+        return hf.table
+    if hasattr(data, "to_arrow"):  # polars
+        return data.to_arrow()
+    if type(data).__module__.startswith("pandas"):
+        return pa.Table.from_pandas(data, preserve_index=False)
+    if hasattr(data, "__arrow_c_stream__"):
+        return pa.table(data)
+    raise TypeError(f"cannot make an Arrow table from {type(data).__name__}")
+
+
+def _table_from_rows(rows: list[Any]):
+    """Rows (dicts) as columns: every key of every row (pyarrow's from_pylist would take the
+    first row's keys only); a column Arrow cannot type consistently (e.g. content that is a
+    string in one row and a number in another) travels as JSON text instead."""
+    pa = _pa()
+    keys: dict[str, None] = {}
+    for row in rows:
+        if not isinstance(row, Mapping):
+            raise TypeError(f"rows must be mappings, not {type(row).__name__}")
+        keys.update(dict.fromkeys(row))
+    columns = {}
+    for k in keys:
+        values = [row.get(k) for row in rows]
+        try:
+            columns[k] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            columns[k] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values],
+                                  pa.string())
+    return pa.table(columns)
+
+
+def _drop_nulls(value: Any) -> Any:
+    """Arrow gives every struct every field (absent -> null); JSON requests leave them out.
+    Null-valued keys are dropped, except an assistant message's null content (a tool-call-only
+    turn)."""
+    if isinstance(value, dict):
+        out = {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+        if value.get("role") == "assistant" and "content" in value and value["content"] is None:
+            out["content"] = None
+        return out
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _json_or_value(value: Any) -> Any:
+    if isinstance(value, (str, bytes)):
+        return json.loads(value)
+    return _drop_nulls(value)
+
+
+def build_request(messages: Any, tools: Any = None, kwargs: Any = None) -> dict[str, Any]:
+    """The request body for one row: ``messages`` (list or JSON text), optional ``tools``
+    (list or JSON text) and ``chat_template_kwargs`` (dict or JSON text)."""
+    body: dict[str, Any] = {"messages": _json_or_value(messages)}
+    if tools is not None:
+        t = _json_or_value(tools)
+        if t:
+            body["tools"] = t
+    if kwargs is not None:
+        k = _json_or_value(kwargs)
+        if k:
+            body["chat_template_kwargs"] = k
+    return body
+
+
+def _render_one(template: ChatTemplate, body: Any, tokens: bool) -> tuple[str | None, str | None, list[int] | None]:
+    try:
+        if isinstance(body, Exception):
+            raise body
+        prompt = template.apply_template(body)
+        toks = template.tokenize(prompt, add_special=True).tolist() if tokens else None
+        return prompt, None, toks
+    except (Error, ValueError, TypeError) as e:
+        return None, getattr(e, "message", None) or str(e), None
+
+
+def _bodies(table, messages: str, tools: str | None, kwargs: Any) -> list[Any]:
+    cols = table.column_names
+    if messages not in cols:
+        raise KeyError(f"no column {messages!r} (columns: {', '.join(cols)})")
+    msgs = table.column(messages).to_pylist()
+    tls = table.column(tools).to_pylist() if tools and tools in cols else [None] * len(msgs)
+    if isinstance(kwargs, str):  # a column name (a missing column means no kwargs)
+        kws = table.column(kwargs).to_pylist() if kwargs in cols else [None] * len(msgs)
+    else:
+        kws = [kwargs] * len(msgs)
+    out: list[Any] = []
+    for m, t, k in zip(msgs, tls, kws):
+        try:
+            out.append(build_request(m, t, k))
+        except (ValueError, TypeError) as e:  # a row whose JSON text is broken
+            out.append(ValueError(f"bad row: {e}"))
+    return out
+
+
+def render_rows(
+    template: ChatTemplate, bodies: list[Any], *, tokens: bool = False, threads: int | None = None
+) -> list[tuple[str | None, str | None, list[int] | None]]:
+    """(prompt, error, tokens) for each request body, in order; ``threads`` > 1 renders in a
+    thread pool sharing ``template``."""
+    if tokens and template.gguf_path is None:
+        raise TypeError("tokens=True needs a GGUF-backed template (ChatTemplate.from_gguf)")
+    if threads and threads > 1 and len(bodies) > 1:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(lambda b: _render_one(template, b, tokens), bodies))
+    return [_render_one(template, b, tokens) for b in bodies]
+
+
+def render_table(
+    template: ChatTemplate,
+    table: Any,
+    *,
+    messages: str = "messages",
+    tools: str | None = "tools",
+    kwargs: Any = None,
+    tokens: bool = False,
+    threads: int | None = None,
+):
+    """Render every row of a conversation table.
+
+    Args:
+        template: the ChatTemplate (a GGUF-backed one for ``tokens``).
+        table: rows holding OpenAI-form conversations (see :func:`as_arrow_table`).
+        messages: column of messages (list of message structs, or JSON text).
+        tools: column of tools lists (optional; missing column -> no tools).
+        kwargs: ``chat_template_kwargs`` for every row (a dict), or the name of a column
+            (dicts or JSON text; a missing column means none).
+        tokens: add a ``tokens`` column (list<int32>): the prompt tokenized as llama-server
+            feeds it to the model (``add_special=True``).
+        threads: render with this many threads (default: one).
+
+    Returns:
+        a ``pyarrow.Table``: the input columns plus ``prompt`` (string, null on error),
+        ``error`` (null, or llama.cpp's message) and optionally ``tokens``.
+    """
+    pa = _pa()
+    tbl = as_arrow_table(table)
+    results = render_rows(template, _bodies(tbl, messages, tools, kwargs), tokens=tokens, threads=threads)
+    tbl = tbl.append_column("prompt", pa.array([r[0] for r in results], pa.string()))
+    tbl = tbl.append_column("error", pa.array([r[1] for r in results], pa.string()))
+    if tokens:
+        tbl = tbl.append_column("tokens", pa.array([r[2] for r in results], pa.list_(pa.int32())))
+    return tbl
+
+
+class RenderBatch:
+    """A picklable callable ``batch -> batch`` (pyarrow Table/RecordBatch in and out) for
+    worker processes and Ray's ``map_batches``: one ChatTemplate per worker."""
+
+    def __init__(self, template: ChatTemplate, **options: Any) -> None:
+        self.template = template
+        self.options = options
+
+    def __call__(self, batch: Any):
+        return render_table(self.template, batch, **self.options)
+
+
+# ---------------------------------------------------------------------------------------
+# files (the render-dataset command): streaming, bounded memory
+
+
+def _iter_input(path: str, batch_rows: int) -> Iterator[Any]:
+    """Batches of an input file as Arrow tables: parquet by row groups, JSONL by lines
+    (each JSONL record keeps its original text in a ``record`` column)."""
+    pa = _pa()
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(path) as f:
+            for batch in f.iter_batches(batch_size=batch_rows):
+                yield pa.Table.from_batches([batch])
+        return
+    rows: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                messages = json.dumps(rec.get("messages"), ensure_ascii=False) if isinstance(rec, dict) else None
+                tools = rec.get("tools") if isinstance(rec, dict) else None
+                kw = rec.get("chat_template_kwargs") if isinstance(rec, dict) else None
+            except ValueError:
+                messages = line.decode("utf-8", "replace")  # rendered as broken JSON: an error row
+                tools = kw = None
+            rows.append(
+                {
+                    "record": line.decode("utf-8", "replace").rstrip("\n"),
+                    "messages": messages,
+                    "tools": json.dumps(tools, ensure_ascii=False) if tools is not None else None,
+                    "chat_template_kwargs": json.dumps(kw, ensure_ascii=False) if kw is not None else None,
+                }
+            )
+            if len(rows) >= batch_rows:
+                yield pa.Table.from_pylist(rows, schema=_JSONL_SCHEMA())
+                rows = []
+    if rows:
+        yield pa.Table.from_pylist(rows, schema=_JSONL_SCHEMA())
+
+
+def _JSONL_SCHEMA():  # noqa: N802 - a constant built lazily (pyarrow is optional)
+    pa = _pa()
+    return pa.schema(
+        [
+            ("record", pa.string()),
+            ("messages", pa.string()),
+            ("tools", pa.string()),
+            ("chat_template_kwargs", pa.string()),
+        ]
+    )
+
+
+def _bounded_map(pool: Any, items: Iterable[Any], window: int) -> Iterator[Any]:
+    """pool.map in order, with at most ``window`` items in flight (bounded memory)."""
+    from collections import deque
+
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.submit(_run_worker, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+_worker: RenderBatch | None = None
+
+
+def _init_worker(fn: RenderBatch) -> None:
+    global _worker
+    _worker = fn
+
+
+def _run_worker(table: Any):
+    assert _worker is not None
+    return _worker(table)
+
+
+def render_file(
+    template: ChatTemplate,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    tokens: bool = False,
+    workers: int = 1,
+    batch_rows: int = 2048,
+    progress: bool | None = None,
+    use_ray: bool = False,
+) -> int:
+    """Render ``src`` (``.jsonl`` or ``.parquet``) into ``dst`` (parquet), streaming in
+    batches so memory stays bounded; returns the number of rows. ``workers`` > 1 uses
+    worker processes; ``use_ray`` runs the batches on Ray Data instead."""
+    import sys
+
+    import pyarrow.parquet as pq
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    kwargs_col = "chat_template_kwargs"
+    fn = RenderBatch(template, tokens=tokens, kwargs=kwargs_col)
+    batches = _iter_input(src, batch_rows)
+    pool = None
+    if use_ray:
+        import ray.data
+
+        from .ray import render_dataset
+
+        # Ray Data holds the input in its object store (spilling to disk as needed)
+        ds = ray.data.from_arrow(list(batches))
+        out_ds = render_dataset(ds, template, tokens=tokens, kwargs=kwargs_col, workers=max(1, workers))
+        results: Iterable[Any] = out_ds.iter_batches(batch_format="pyarrow", batch_size=None)
+    elif workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(fn,))
+        results = _bounded_map(pool, batches, window=2 * workers)
+    else:
+        results = map(fn, batches)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="render", unit="row", file=sys.stderr)
+    writer = None
+    rows = 0
+    try:
+        for out in results:
+            if writer is None:
+                writer = pq.ParquetWriter(dst, out.schema)
+            writer.write_table(out)
+            rows += out.num_rows
+            if bar is not None:
+                bar.update(out.num_rows)
+        if writer is None:  # empty input
+            empty = render_table(template, _JSONL_SCHEMA().empty_table(), tokens=tokens, kwargs=kwargs_col)
+            pq.write_table(empty, dst)
+    finally:
+        if writer is not None:
+            writer.close()
+        if pool is not None:
+            pool.shutdown()
+        if bar is not None:
+            bar.close()
+    return rows
