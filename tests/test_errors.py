@@ -111,3 +111,47 @@ def test_errors_pickle():
     e = llamaprompt.RequestError("bad", 400)
     e2 = pickle.loads(pickle.dumps(e))
     assert type(e2) is llamaprompt.RequestError and e2.status == 400 and e2.message == "bad"
+
+
+def test_deeply_nested_request_is_refused_not_a_crash(qwen3):
+    deep = '{"messages":[{"role":"user","content":"a"}],"x":' + "[" * 150000 + "]" * 150000 + "}"
+    with pytest.raises(llamaprompt.RequestError, match="nested too deeply"):
+        qwen3.apply_template(deep)
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    with pytest.raises(llamaprompt.RequestError, match="nested too deeply"):
+        qwen3.apply_template({"messages": [{"role": "user", "content": "a"}], "x": nested})
+    # moderate nesting is an ordinary request
+    ok = '{"messages":[{"role":"user","content":"a"}],"x":' + "[" * 200 + "]" * 200 + "}"
+    assert qwen3.apply_template(ok).startswith("<|im_start|>user\na")
+
+
+def test_llama_cpp_config_files_are_ignored(tmp_path, monkeypatch):
+    cfg = tmp_path / "llama.cpp"
+    cfg.mkdir()
+    (cfg / "config.ini").write_text("[*]\nreasoning = off\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    assert t.supports_thinking is True
+
+
+def test_template_parse_error_carries_the_parser_message():
+    with pytest.raises(llamaprompt.TemplateError) as info:
+        llamaprompt.ChatTemplate("{{ foo(")
+    assert "Unexpected EOF" in info.value.message
+
+
+def test_argument_validation(qwen3):
+    with pytest.raises(TypeError, match="bos_token"):
+        llamaprompt.ChatTemplate("x", bos_token=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="NUL"):
+        llamaprompt.ChatTemplate.from_file(str(llamaprompt.pinned_template()) + "\x00junk")
+    with pytest.raises(llamaprompt.RequestError, match="not valid JSON"):
+        qwen3.apply_template({"messages": [{"role": "user", "content": float("nan")}]})
+    with pytest.raises(llamaprompt.ServerArgsError, match="process-wide log"):
+        llamaprompt.ChatTemplate("x", server_args=["--log-file", "/tmp/never"])
+    # a message quoting bytes that are not UTF-8 still arrives as text
+    with pytest.raises(llamaprompt.TemplateError) as info:
+        qwen3.apply_template(b'{"messages": [{"role": "user", "content": "\xff"}]}')
+    assert info.value.status == 500 and isinstance(info.value.message, str)

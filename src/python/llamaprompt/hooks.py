@@ -65,7 +65,8 @@ _lock = threading.Lock()
 _registry: list[_Entry] = []
 
 
-def _check_hook(hook: Any) -> None:
+def check_hook(hook: Any) -> None:
+    """Raise TypeError unless ``hook`` has before_request or after_params."""
     if not (hasattr(hook, "before_request") or hasattr(hook, "after_params")):
         raise TypeError("a hook needs a before_request(request) or after_params(params) method")
 
@@ -83,7 +84,7 @@ def register_hook(hook: Any, *, match: Match = None) -> Any:
     Returns the hook (so it can be used as a decorator on a class instance). Raises
     TypeError for an object with neither hook method, ValueError for a bad ``match``.
     """
-    _check_hook(hook)
+    check_hook(hook)
     _check_match(match)
     with _lock:
         _registry.append(_Entry(hook, match))

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _core
 from .errors import Error, RequestError, TemplateError
-from .hooks import hooks_for, template_sha256
+from .hooks import check_hook, hooks_for, template_sha256
 from .params import ChatParams
 
 __all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "Request"]
@@ -98,7 +98,17 @@ def _before(request: Request, hooks: list[Any]) -> Request:
 
 def _body(request: Request) -> bytes:
     if isinstance(request, (str, bytes)):
-        return _utf8(request)
+        body = _utf8(request)
+        # llama.cpp's JSON copies nest recursively: a body nested deeper than Python's own
+        # parser allows would overflow the C++ stack, so it is refused here; any other
+        # problem with the text is left to llama.cpp (its message, its status)
+        try:
+            json.loads(body)
+        except RecursionError:
+            raise RequestError("request is nested too deeply", 400) from None
+        except ValueError:
+            pass
+        return body
     if not isinstance(request, Mapping):
         raise TypeError(f"request must be a mapping or JSON text, not {type(request).__name__}")
     try:
@@ -219,8 +229,7 @@ class ChatTemplate:
 
     def _setup(self, *, source, gguf_path, model, options, core) -> None:
         for hook in options["hooks"]:
-            if not (hasattr(hook, "before_request") or hasattr(hook, "after_params")):
-                raise TypeError("a hook needs a before_request(request) or after_params(params) method")
+            check_hook(hook)
         self._input_source = source
         self._gguf_path = gguf_path
         self._model = model
