@@ -237,3 +237,33 @@ def test_cli_gguf(tmp_path):
     bad.write_bytes(b"nope")
     proc = subprocess.run([sys.executable, "-m", "llamaprompt.cli", "inspect", str(bad)], capture_output=True)
     assert proc.returncode == 2 and b"GGUFError" in proc.stderr
+
+
+def _rewrite_kv(src: Path, dst: Path, changes: dict) -> Path:
+    reader = gguf.GGUFReader(src, "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+    copy_with_new_metadata(reader, writer, dict(changes), [])
+    return dst
+
+
+def test_vocab_conditions_llama_cpp_asserts_raise_instead(tmp_path):
+    """Files that make llama.cpp abort (GGML_ASSERT / GGML_ABORT) while loading or
+    tokenizing raise GGUFError; the process survives (each case would kill it otherwise)."""
+    src = vocab_gguf(SPM)
+    tokens = gguf.GGUFReader(src, "r").get_field("tokenizer.ggml.tokens").contents()
+    dup = list(tokens)
+    dup[200] = dup[100]
+    S, A = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+    cases = {
+        "dup": {"tokenizer.ggml.tokens": MetadataDetails(A, dup, sub_type=S)},
+        "bert": {"tokenizer.ggml.model": MetadataDetails(S, "bert")},
+    }
+    for name, change in cases.items():
+        path = _rewrite_kv(src, tmp_path / f"{name}.gguf", change)
+        with pytest.raises(llamaprompt.GGUFError):
+            llamaprompt.ChatTemplate.from_gguf(path)
+    none = _rewrite_kv(src, tmp_path / "none.gguf", {"tokenizer.ggml.model": MetadataDetails(S, "none")})
+    t = llamaprompt.ChatTemplate.from_gguf(none)
+    with pytest.raises(llamaprompt.GGUFError, match="no tokenizer"):
+        t.tokenize("x")

@@ -293,3 +293,39 @@ def test_server_tokenize(server):
     assert status == 200 and all({"id", "piece"} <= set(p) for p in pieces["tokens"])
     status, err = _http(f"{server}/tokenize?model=Qwen-Qwen3-0.6B.jinja", {"content": "x"})
     assert status == 501
+
+
+def test_new_user_findings(tmp_path, few_doc, server):
+    # a null case in a schema-form OTHER means "my renderer rejects it"
+    other = copy.deepcopy(few_doc)
+    other["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["error_content_number"] = None
+    other["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["plain_chat"] = None
+    report = fx.diff_fixtures(few_doc, other)
+    diffs = [d["request"] for d in report["templates"]["Qwen-Qwen3-0.6B.jinja"]["differences"]]
+    assert diffs == ["plain_chat"]
+    assert "no prompt (null)" in fx.diff_markdown(report)
+    # a request body that is not an object goes to llama.cpp, which answers as llama-server
+    t = llamaprompt.ChatTemplate.from_file(template_path(FEW[0]))
+    doc = fx.render_fixtures({"q": t}, {"num": 5, "list": [1]}, progress=False)
+    assert {c["status"] for c in doc["templates"]["q"]["cases"].values()} <= {400, 500}
+    # check reports caps changes and where a prompt changed
+    bad = copy.deepcopy(few_doc)
+    bad["templates"][FEW[0]]["caps"]["supports_tools"] = False
+    bad["templates"][FEW[0]]["cases"]["system"]["prompt"] = "X" + bad["templates"][FEW[0]]["cases"]["system"]["prompt"]
+    lines = fx.check_fixtures(bad, progress=False).describe()
+    assert any("caps" in line and "supports_tools" in line for line in lines)
+    assert any("first difference at offset 0" in line for line in lines)
+    # --pinned NAME...
+    out = tmp_path / "p.json"
+    proc = subprocess.run([*CLI, "fixtures", "--pinned", FEW[0], FEW[2], "-o", str(out)], capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    assert list(json.loads(out.read_text())["templates"]) == [FEW[0], FEW[2]]
+    # the endpoint answers unknown paths, methods and models with llama-server's error JSON
+    assert _http(f"{server}/nope")[0] == 404 and "error" in _http(f"{server}/nope")[1]
+    req = urllib.request.Request(f"{server}/apply-template")
+    try:
+        urllib.request.urlopen(req, timeout=10)
+    except urllib.error.HTTPError as e:
+        assert e.code == 405 and json.loads(e.read())["error"]["code"] == 405
+    status, err = _http(f"{server}/props?model=nope")
+    assert status == 404 and "Qwen-Qwen3-0.6B.jinja" in err["error"]["message"]

@@ -14,6 +14,8 @@
 
 #include <cstdio>
 #include <memory>
+#include <string_view>
+#include <unordered_set>
 
 namespace py = pybind11;
 
@@ -53,10 +55,71 @@ void check_file(const std::string & path) {
     std::fclose(f);
 }
 
+// Conditions llama.cpp asserts (GGML_ASSERT aborts the process) while it loads a vocab,
+// checked first on the file's metadata so that a bad file raises instead.
+void check_vocab_metadata(const std::string & path) {
+    gguf_init_params params = {/* no_alloc */ true, /* ctx */ nullptr};
+    gguf_context * ctx = gguf_init_from_file(path.c_str(), params);
+    if (!ctx) {
+        return;  // the loader reports why
+    }
+    std::string problem;
+    const int64_t key = gguf_find_key(ctx, "tokenizer.ggml.tokens");
+    if (key >= 0 && gguf_get_kv_type(ctx, key) == GGUF_TYPE_ARRAY && gguf_get_arr_type(ctx, key) == GGUF_TYPE_STRING) {
+        // llama_vocab::impl::load: GGML_ASSERT(id_to_token.size() == token_to_id.size())
+        const size_t n = gguf_get_arr_n(ctx, key);
+        std::unordered_set<std::string_view> seen;
+        seen.reserve(n);
+        for (size_t i = 0; i < n; i++) {
+            if (!seen.insert(gguf_get_arr_str(ctx, key, i)).second) {
+                problem = "tokenizer.ggml.tokens holds the same token text twice (token " + std::to_string(i) +
+                          "); llama.cpp requires unique token texts";
+                break;
+            }
+        }
+    }
+    // llama_vocab::impl::token_to_byte: GGML_ABORT for a WPM (bert) vocab that holds byte tokens
+    const int64_t model_key = gguf_find_key(ctx, "tokenizer.ggml.model");
+    const int64_t type_key = gguf_find_key(ctx, "tokenizer.ggml.token_type");
+    if (problem.empty() && model_key >= 0 && gguf_get_kv_type(ctx, model_key) == GGUF_TYPE_STRING &&
+        std::string(gguf_get_val_str(ctx, model_key)) == "bert" && type_key >= 0 &&
+        gguf_get_kv_type(ctx, type_key) == GGUF_TYPE_ARRAY && gguf_get_arr_type(ctx, type_key) == GGUF_TYPE_INT32) {
+        const auto * types = static_cast<const int32_t *>(gguf_get_arr_data(ctx, type_key));
+        for (size_t i = 0; i < gguf_get_arr_n(ctx, type_key); i++) {
+            if (types[i] == LLAMA_TOKEN_TYPE_BYTE) {
+                problem = "a bert (WPM) tokenizer with byte tokens (token " + std::to_string(i) +
+                          "); llama.cpp cannot read byte tokens for this tokenizer";
+                break;
+            }
+        }
+    }
+    gguf_free(ctx);
+    if (!problem.empty()) {
+        throw error(error_kind::gguf, 0, problem);
+    }
+}
+
+// llama_vocab::tokenize asserts a tokenizer, and a BOS/EOS id where the vocab adds them
+void check_tokenize(const llama_vocab * vocab, bool add_special) {
+    if (llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_NONE) {
+        throw error(error_kind::gguf, 0, "this GGUF file has no tokenizer (tokenizer.ggml.model is none)");
+    }
+    if (add_special && llama_vocab_get_add_bos(vocab) && llama_vocab_bos(vocab) == LLAMA_TOKEN_NULL) {
+        throw error(error_kind::gguf, 0, "the vocab adds BOS (add_bos_token) but has no BOS token");
+    }
+    if (add_special && llama_vocab_get_add_eos(vocab) && llama_vocab_eos(vocab) == LLAMA_TOKEN_NULL) {
+        throw error(error_kind::gguf, 0, "the vocab adds EOS (add_eos_token) but has no EOS token");
+    }
+}
+
 }  // namespace
 
 core_model::core_model(const std::string & path) : path_(path) {
     check_file(path);
+    {
+        py::gil_scoped_release nogil;
+        check_vocab_metadata(path);
+    }
     log_capture logs;
     std::string message;
     {
@@ -181,6 +244,7 @@ void register_model(py::module_ & m) {
         .def_property_readonly("add_eos", [](const core_model & mdl) { return llama_vocab_get_add_eos(mdl.vocab()); })
         // POST /tokenize: tokenize_mixed(vocab, content, add_special, parse_special)
         .def("tokenize", [](const core_model & mdl, const std::string & text, bool add_special, bool parse_special) {
+            check_tokenize(mdl.vocab(), add_special);
             llama_tokens tokens = call_upstream([&]() {
                 return tokenize_mixed(mdl.vocab(), json(text), add_special, parse_special);
             });
@@ -190,6 +254,7 @@ void register_model(py::module_ & m) {
         }, py::arg("text"), py::arg("add_special"), py::arg("parse_special"))
         // POST /detokenize: tokens_to_str(vocab, tokens)
         .def("detokenize", [](const core_model & mdl, const std::vector<llama_token> & tokens) {
+            check_tokenize(mdl.vocab(), false);
             std::string text = call_upstream([&]() { return tokens_to_str(mdl.vocab(), tokens); });
             return text_to_py(text);
         }, py::arg("tokens"))

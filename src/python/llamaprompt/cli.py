@@ -210,7 +210,14 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="GGUF model files: template, BOS/EOS and add_bos/add_eos from each file",
         )
-        g.add_argument("--pinned", action="store_true", help="every template of the pinned llama.cpp tree")
+        g.add_argument(
+            "--pinned",
+            nargs="*",
+            metavar="NAME",
+            default=None,
+            help="templates of the pinned llama.cpp tree shipped with llamaprompt: the NAMEs given "
+            "(e.g. Qwen-Qwen3-0.6B.jinja), or all of them",
+        )
         g.add_argument("--bos-token", default="", metavar="S", help="BOS text for template files (default: empty)")
         g.add_argument("--eos-token", default="", metavar="S", help="EOS text for template files (default: empty)")
         g.add_argument("--add-bos", action="store_true", help="template files: strip one leading BOS")
@@ -265,7 +272,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _multi_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -281,8 +288,8 @@ def _load_many(args: argparse.Namespace, server_args: list[str]) -> dict[str, Ch
     paths = [Path(p) for p in args.template]
     if args.templates:
         paths += sorted(Path(args.templates).glob("*.jinja"))
-    if args.pinned:
-        paths += pinned_templates()
+    if args.pinned is not None:
+        paths += [pinned_template(n) for n in args.pinned] if args.pinned else pinned_templates()
     sargs = [*args.server_arg, *server_args]
     out: dict[str, ChatTemplate] = {}
 
@@ -483,8 +490,8 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
     if args.command == "check":
         doc = fx.load_fixtures(args.fixtures)
         result = fx.check_fixtures(doc, mask=args.mask_dates, progress=False if args.no_progress else None)
-        for tname, rname, want, got in result.differences:
-            print(f"DIFFERS {tname} / {rname}: recorded status {want.get('status')}, now {got.get('status')}")
+        for line in result.describe():
+            print(line)
         print(
             f"{result.checked - len(result.differences)} of {result.checked} cases match "
             f"(fixtures from llama.cpp {doc.get('llama_cpp_commit')}, this build {LLAMA_CPP_COMMIT})"

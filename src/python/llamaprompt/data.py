@@ -72,8 +72,9 @@ def _table_from_rows(rows: list[Any]):
         try:
             columns[k] = pa.array(values)
         except (pa.ArrowInvalid, pa.ArrowTypeError):
-            columns[k] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values],
-                                  pa.string())
+            columns[k] = pa.array(
+                [None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string()
+            )
     return pa.table(columns)
 
 

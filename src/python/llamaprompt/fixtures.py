@@ -85,6 +85,9 @@ def _progress(iterable: Iterable[Any], total: int, desc: str, enabled: bool | No
 
 
 def _case(template: ChatTemplate, request: Any) -> dict[str, Any]:
+    if not isinstance(request, (Mapping, str, bytes)):
+        # a body that is not an object still goes to llama.cpp, which answers as llama-server
+        request = json.dumps(request)
     try:
         return {"status": 200, "prompt": template.apply_template(request)}
     except Error as e:
@@ -189,15 +192,46 @@ def template_from_entry(entry: Mapping[str, Any]) -> ChatTemplate:
 
 @dataclass
 class CheckResult:
-    """What :func:`check_fixtures` found: ``checked`` cases, and ``differences`` as
-    ``(template, request, expected_case, actual_case)`` tuples."""
+    """What :func:`check_fixtures` found: ``checked`` cases, ``differences`` as
+    ``(template, request, expected_case, actual_case)`` tuples, and ``caps_differences`` as
+    ``(template, recorded_caps, current_caps)``."""
 
     checked: int = 0
     differences: list[tuple[str, str, dict, dict]] = field(default_factory=list)
+    caps_differences: list[tuple[str, dict, dict]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.differences
+        return not self.differences and not self.caps_differences
+
+    def describe(self, context: int = 30) -> list[str]:
+        """One line per difference: the first differing offset with context, or the statuses."""
+        lines = []
+        for tname, recorded, now in self.caps_differences:
+            changed = {
+                k: [recorded.get(k), now.get(k)]
+                for k in sorted(set(recorded) | set(now))
+                if recorded.get(k) != now.get(k)
+            }
+            lines.append(f"DIFFERS {tname}: caps {json.dumps(changed)} (recorded, now)")
+        for tname, rname, want, got in self.differences:
+            if want.get("status") == 200 and got.get("status") == 200:
+                a, b = want["prompt"], got["prompt"]
+                at = _first_difference(a, b)
+                lines.append(
+                    f"DIFFERS {tname} / {rname}: prompt, first difference at offset {at}: "
+                    f"recorded {json.dumps(_window(a, at, context), ensure_ascii=False)}, "
+                    f"now {json.dumps(_window(b, at, context), ensure_ascii=False)}"
+                )
+            else:
+
+                def show(c: Mapping[str, Any]) -> str:
+                    if c.get("status") == 200:
+                        return "a prompt"
+                    return f"error {c.get('status')} {json.dumps((c.get('error') or {}).get('message'))}"
+
+                lines.append(f"DIFFERS {tname} / {rname}: recorded {show(want)}, now {show(got)}")
+        return lines
 
 
 def _same(a: Mapping[str, Any], b: Mapping[str, Any], masked: bool) -> bool:
@@ -224,6 +258,8 @@ def check_fixtures(doc: Mapping[str, Any], *, mask: bool = False, progress: bool
                 result.checked += 1
                 result.differences.append((name, rname, case, got))
             continue
+        if tmpl.caps != entry.get("caps", tmpl.caps):
+            result.caps_differences.append((name, entry["caps"], tmpl.caps))
         for rname, case in entry["cases"].items():
             result.checked += 1
             got = _case(tmpl, requests[rname])
@@ -240,7 +276,10 @@ def _other_cases(other: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], d
     """(cases, caps) per template from an OTHER file: the fixtures schema, or a minimal
     ``{template: {request: prompt | null | {"status":..., "error":...}}}`` map."""
     if other.get("schema") == SCHEMA_ID:
-        cases = {t: dict(e.get("cases", {})) for t, e in other["templates"].items()}
+        cases = {
+            t: {r: (c if isinstance(c, Mapping) else {"status": None}) for r, c in e.get("cases", {}).items()}
+            for t, e in other["templates"].items()
+        }
         caps = {t: e["caps"] for t, e in other["templates"].items() if isinstance(e.get("caps"), dict)}
         return cases, caps
     cases: dict[str, dict[str, Any]] = {}
@@ -334,8 +373,15 @@ def diff_fixtures(
                     other_length=len(b),
                 )
             else:
-                d["reference"] = ref_case.get("prompt", (ref_case.get("error") or {}).get("message"))
-                d["other"] = got.get("prompt", (got.get("error") or {}).get("message"))
+
+                def brief(c: Mapping[str, Any]) -> Any:
+                    if c.get("status") == 200:
+                        p = c.get("prompt", "")
+                        return p if len(p) <= 4 * context else p[: 4 * context] + "…"
+                    return (c.get("error") or {}).get("message")
+
+                d["reference"] = brief(ref_case)
+                d["other"] = brief(got)
             t["differences"].append(d)
         if t["compared"] and t["agree"] == t["compared"] and not t.get("caps", {}).get("differ"):
             agree_templates += 1
@@ -353,6 +399,10 @@ def _md_code(s: Any) -> str:
     return "`" + text.replace("`", "\\u0060") + "`"
 
 
+def _status_text(status: Any) -> str:
+    return "no prompt (null)" if status is None else ("a prompt" if status == 200 else f"error {status}")
+
+
 def diff_markdown(report: Mapping[str, Any]) -> str:
     """The diff report as Markdown: the table a renderer author pastes into a bug report."""
     lines = [f"**{report['summary']}** (reference: llama.cpp {report.get('llama_cpp_commit')})", ""]
@@ -368,7 +418,9 @@ def diff_markdown(report: Mapping[str, Any]) -> str:
             else (
                 "same"
                 if not caps["differ"]
-                else ", ".join(f"{k}: {v['reference']} vs {v['other']}" for k, v in caps["differ"].items())
+                else ", ".join(
+                    f"{k}: {json.dumps(v['reference'])} vs {json.dumps(v['other'])}" for k, v in caps["differ"].items()
+                )
             )
         )
         lines.append(f"| {tname} | {t['agree']} of {t['compared']} | {caps_cell} |")
@@ -383,7 +435,8 @@ def diff_markdown(report: Mapping[str, Any]) -> str:
                 lines.append(f"  - other:     {_md_code(d['other'])}")
             else:
                 lines.append(
-                    f"- `{d['request']}`: reference status {d['reference_status']}, other status {d['other_status']}"
+                    f"- `{d['request']}`: reference gives {_status_text(d['reference_status'])}, "
+                    f"other gives {_status_text(d['other_status'])}"
                 )
                 lines.append(f"  - reference: {_md_code(d['reference'])}")
                 lines.append(f"  - other:     {_md_code(d['other'])}")

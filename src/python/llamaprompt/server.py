@@ -73,6 +73,9 @@ def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = D
         name = name or names[0]
         return (name, templates[name]) if name in templates else None
 
+    def unknown_model(name_hint: str | None = None):
+        return _error(404, f"model not found; available: {', '.join(names)}")
+
     async def with_template(request: Request, fn):
         raw = await read_body(request)
         if raw is None:
@@ -83,7 +86,7 @@ def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = D
             parsed = None  # llama.cpp parses the raw body and reports the error
         chosen = pick(request, parsed)
         if chosen is None:
-            return _error(404, "model not found")
+            return unknown_model()
         try:
             return JSONResponse(await run_in_threadpool(fn, chosen[1], raw, parsed))
         except Error as e:
@@ -98,7 +101,7 @@ def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = D
     async def props(request: Request):
         chosen = pick(request, None)
         if chosen is None:
-            return _error(404, "model not found")
+            return unknown_model()
         name, t = chosen
         data = dict(t.props())
         data["model_alias"] = name
@@ -168,7 +171,13 @@ def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = D
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    from starlette.exceptions import HTTPException
+
+    async def http_error(request: Request, exc: HTTPException):
+        # unknown paths and methods answer with llama-server's JSON error body too
+        return _error(exc.status_code, str(exc.detail))
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
 def serve(

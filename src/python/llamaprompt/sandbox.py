@@ -1,0 +1,300 @@
+"""Untrusted templates: llama.cpp's chat code in a worker process with budgets.
+
+llama.cpp's Jinja runtime has no step, recursion or memory limit, and a running C++ call
+cannot be interrupted: a template from the internet can loop for hours, allocate until the
+machine swaps, or recurse until the stack overflows (a segfault). :class:`UntrustedTemplate`
+runs every template execution -- the load-time probe included -- in a separate process:
+
+- wall time: a call that exceeds ``timeout`` seconds kills the worker and raises
+  :class:`TemplateError`; the next call starts a fresh worker;
+- memory: the worker's address space is limited (``max_memory_bytes``), so a runaway
+  allocation fails inside llama.cpp (``std::bad_alloc``, raised as llama.cpp reports it)
+  instead of exhausting the machine;
+- output: a prompt larger than ``max_output_bytes`` raises TemplateError;
+- a crash (segfault, abort) of the worker raises TemplateError naming the signal.
+
+The calling process never executes the template. Results are exactly ChatTemplate's (the
+worker is a ChatTemplate); the cost is one process (~50 MiB) and an IPC round trip per call
+(see benchmarks/sandbox.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
+from .params import ChatParams
+
+__all__ = ["UntrustedTemplate", "DEFAULT_TIMEOUT", "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_MEMORY_BYTES"]
+
+DEFAULT_TIMEOUT = 10.0
+DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_MEMORY_BYTES = 4 * 1024 * 1024 * 1024
+
+_ERRORS = {c.__name__: c for c in (Error, RequestError, TemplateError, ServerArgsError, GGUFError)}
+
+
+def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_bytes: int) -> None:
+    """The worker: builds the ChatTemplate, then answers (method, args) requests."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    if max_memory_bytes:
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, max_memory_bytes))
+        except (ImportError, ValueError, OSError):
+            pass
+    from .template import ChatTemplate
+
+    def reply_error(e: BaseException) -> None:
+        if isinstance(e, Error):
+            conn.send(("error", type(e).__name__, e.message, e.status))
+        elif isinstance(e, MemoryError):
+            conn.send(("error", "TemplateError", "out of memory (the sandbox's memory budget)", 500))
+        else:
+            conn.send(("error", type(e).__name__, str(e), None))
+
+    kind, args, kwargs = build
+    try:
+        template = ChatTemplate.from_gguf(*args, **kwargs) if kind == "gguf" else ChatTemplate(*args, **kwargs)
+        conn.send(
+            (
+                "ok",
+                {
+                    "caps": template.caps,
+                    "detected_caps": template.detected_caps,
+                    "props": template.props(),
+                    "supports_thinking": template.supports_thinking,
+                    "source": template.source,
+                    "tool_use_source": template.tool_use_source,
+                },
+            )
+        )
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        reply_error(e)
+        return
+    while True:
+        try:
+            method, payload = conn.recv()
+        except EOFError:
+            return
+        try:
+            if method == "apply_template":
+                out: Any = template.apply_template(payload)
+                if len(out.encode("utf-8", "surrogateescape")) > max_output_bytes:
+                    raise TemplateError(
+                        f"the prompt exceeds the sandbox's output budget ({max_output_bytes} bytes)", 500
+                    )
+            elif method == "apply":
+                p = template.apply(payload)
+                if len(p.prompt.encode("utf-8", "surrogateescape")) > max_output_bytes:
+                    raise TemplateError(
+                        f"the prompt exceeds the sandbox's output budget ({max_output_bytes} bytes)", 500
+                    )
+                out = {k: v for k, v in vars(p).items() if k != "_origin"}
+            elif method == "normalize":
+                messages, tools = payload
+                out = template.normalize(messages, tools=tools)
+            else:
+                raise ValueError(f"unknown method {method}")
+            conn.send(("ok", out))
+        except BaseException as e:  # noqa: BLE001
+            reply_error(e)
+
+
+class UntrustedTemplate:
+    """A chat template run in a worker process with wall-time, memory and output budgets.
+
+    Construct like :class:`~llamaprompt.ChatTemplate` (``UntrustedTemplate(source, **opts)``,
+    ``UntrustedTemplate.from_file(path, ...)``, ``UntrustedTemplate.from_gguf(path, ...)``)
+    plus the budgets:
+
+    Args:
+        timeout: seconds one call (and the initial load) may take (default 10).
+        max_output_bytes: largest prompt accepted (default 64 MiB).
+        max_memory_bytes: the worker's address-space limit (default 4 GiB; None: no limit).
+
+    ``caps``, ``detected_caps``, ``props()``, ``source``, ``tool_use_source``,
+    ``supports_thinking``, ``apply_template()``, ``apply()`` and ``normalize()`` behave as
+    ChatTemplate's. The ChatParams from ``apply()`` carry no parser binding (parse them with a
+    trusted ChatTemplate). Raises TemplateError when a budget is exceeded or the worker
+    crashes; the object stays usable (a new worker is started on the next call). Calls from
+    several threads are serialized.
+    """
+
+    def __init__(
+        self,
+        source: str | bytes,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
+        **options: Any,
+    ) -> None:
+        self._init(("source", (source,), options), timeout, max_output_bytes, max_memory_bytes)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **options: Any) -> UntrustedTemplate:
+        """As ChatTemplate.from_file (the file is read here; the template runs in the worker)."""
+        from .template import _path
+
+        with open(_path(path), "rb") as f:
+            return cls(f.read(), **options)
+
+    @classmethod
+    def from_gguf(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
+        **options: Any,
+    ) -> UntrustedTemplate:
+        """As ChatTemplate.from_gguf, with the file opened and its template run in the worker."""
+        from .template import _path
+
+        self = cls.__new__(cls)
+        self._init(("gguf", (_path(path),), options), timeout, max_output_bytes, max_memory_bytes)
+        return self
+
+    def _init(self, build: tuple, timeout: float, max_output_bytes: int, max_memory_bytes: int | None) -> None:
+        if timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        self._build = build
+        self._timeout = float(timeout)
+        self._max_output = int(max_output_bytes)
+        self._max_memory = max_memory_bytes
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._conn: Any = None
+        with self._lock:
+            self._info = self._start()
+
+    # -- the worker -----------------------------------------------------------------------
+
+    def _start(self) -> dict[str, Any]:
+        ctx = mp.get_context("spawn")  # no fork of a threaded parent
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_worker_main, args=(child, self._build, self._max_memory, self._max_output), daemon=True
+        )
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        # the load itself runs the template (llama-server's thinking probe): same budget
+        return self._receive(self._timeout + 30.0)  # + interpreter start-up
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = self._conn = None
+
+    def _receive(self, timeout: float) -> Any:
+        conn, proc = self._conn, self._proc
+        try:
+            ready = conn.poll(timeout)
+        except (OSError, EOFError):
+            ready = True
+        if not ready:
+            self._kill()
+            raise TemplateError(
+                f"the template ran longer than the sandbox's budget ({self._timeout:g} s); its worker was stopped", 500
+            )
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            proc.join(5)
+            code = proc.exitcode
+            self._kill()
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise TemplateError(f"the template crashed the sandbox worker ({how})", 500) from None
+        if msg[0] == "ok":
+            return msg[1]
+        _, cls_name, message, status = msg
+        cls = _ERRORS.get(cls_name)
+        if cls is not None:
+            raise cls(message, status)
+        if cls_name in ("TypeError", "ValueError"):
+            raise {"TypeError": TypeError, "ValueError": ValueError}[cls_name](message)
+        raise TemplateError(f"{cls_name}: {message}", 500)
+
+    def _call(self, method: str, payload: Any) -> Any:
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self._kill()
+                self._info = self._start()
+            try:
+                self._conn.send((method, payload))
+            except (OSError, EOFError, BrokenPipeError):
+                self._kill()
+                raise TemplateError("the sandbox worker is gone", 500) from None
+            return self._receive(self._timeout)
+
+    def close(self) -> None:
+        """Stop the worker (it is also stopped when the object is collected)."""
+        with self._lock:
+            self._kill()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self._kill()
+
+    def __enter__(self) -> UntrustedTemplate:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- ChatTemplate's surface -----------------------------------------------------------
+
+    @property
+    def caps(self) -> dict[str, bool]:
+        return dict(self._info["caps"])
+
+    @property
+    def detected_caps(self) -> dict[str, bool]:
+        return dict(self._info["detected_caps"])
+
+    @property
+    def source(self) -> str:
+        return self._info["source"]
+
+    @property
+    def tool_use_source(self) -> str | None:
+        return self._info["tool_use_source"]
+
+    @property
+    def supports_thinking(self) -> bool:
+        return bool(self._info["supports_thinking"])
+
+    def props(self) -> dict[str, Any]:
+        return dict(self._info["props"])
+
+    def apply_template(self, request: Any) -> str:
+        """As ChatTemplate.apply_template, in the worker, within the budgets."""
+        from .template import _body
+
+        return self._call("apply_template", _body(request))
+
+    def apply(self, request: Any) -> ChatParams:
+        """As ChatTemplate.apply, in the worker (the result has no parser binding)."""
+        from .template import _body
+
+        return ChatParams(**self._call("apply", _body(request)))
+
+    def normalize(
+        self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """As ChatTemplate.normalize, in the worker."""
+        return self._call("normalize", (list(messages), list(tools) if tools else None))

@@ -1,0 +1,79 @@
+"""UntrustedTemplate: hostile templates are stopped by the budgets, never hang or crash
+the calling process, and ordinary results equal ChatTemplate's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import llamaprompt
+from conftest import load_reference, template_path
+from llamaprompt.sandbox import UntrustedTemplate
+
+REQ = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_results_equal_chat_template():
+    ref = load_reference("apply_template.json")
+    path = template_path("Qwen-Qwen3-0.6B.jinja")
+    trusted = llamaprompt.ChatTemplate.from_file(path)
+    with UntrustedTemplate.from_file(path) as u:
+        assert u.caps == trusted.caps and u.props() == trusted.props() and u.source == trusted.source
+        for name in ("basic", "tools_question", "err_content_number", "image_then_text"):
+            try:
+                want = trusted.apply_template(ref["requests"][name])
+            except llamaprompt.Error as e:
+                with pytest.raises(type(e), match="Expected"):
+                    u.apply_template(ref["requests"][name])
+            else:
+                assert u.apply_template(ref["requests"][name]) == want
+        assert u.apply(REQ).prompt == trusted.apply(REQ).prompt
+        assert u.normalize(REQ["messages"]) == trusted.normalize(REQ["messages"])
+
+
+def test_endless_loop_is_stopped_and_the_object_recovers():
+    src = (
+        "{% if messages[0]['content'] == 'loop' %}{% for i in range(2000000000) %}{{ '' }}{% endfor %}{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    with UntrustedTemplate(src, timeout=2) as u:
+        assert u.apply_template(REQ) == "hi"
+        t0 = time.monotonic()
+        with pytest.raises(llamaprompt.TemplateError, match="budget"):
+            u.apply_template({"messages": [{"role": "user", "content": "loop"}]})
+        assert time.monotonic() - t0 < 30
+        assert u.apply_template(REQ) == "hi"  # a new worker serves the next call
+
+
+def test_recursion_crash_is_contained():
+    src = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{% if messages[0]['content'] == 'deep' %}{{ f(0) }}{% endif %}ok"
+    with UntrustedTemplate(src, timeout=20) as u:
+        assert u.apply_template(REQ) == "ok"
+        with pytest.raises(llamaprompt.TemplateError, match="crashed|budget|memory"):
+            u.apply_template({"messages": [{"role": "user", "content": "deep"}]})
+        assert u.apply_template(REQ) == "ok"
+
+
+def test_memory_and_output_budgets():
+    src = "{% if messages[0]['content'] == 'big' %}{{ 'a' * 300000000 }}{% endif %}x"
+    with UntrustedTemplate(src, max_memory_bytes=1 << 30, max_output_bytes=1 << 20, timeout=20) as u:
+        # the allocation fails inside llama.cpp (reported as llama.cpp reports it)
+        with pytest.raises(llamaprompt.Error, match="bad_alloc|budget|memory"):
+            u.apply_template({"messages": [{"role": "user", "content": "big"}]})
+        assert u.apply_template(REQ) == "x"
+
+
+def test_output_budget():
+    src = "{% if messages[0]['content'] == 'big' %}{{ 'a' * 3000000 }}{% endif %}x"
+    with UntrustedTemplate(src, max_output_bytes=1 << 20) as u:
+        with pytest.raises(llamaprompt.TemplateError, match="output budget"):
+            u.apply_template({"messages": [{"role": "user", "content": "big"}]})
+        assert u.apply_template(REQ) == "x"
+
+
+def test_hostile_load_fails_with_template_error():
+    with pytest.raises(llamaprompt.TemplateError):
+        UntrustedTemplate("{% for i in range(2000000000) %}{{ i }}{% endfor %}", timeout=1)
+    with pytest.raises(llamaprompt.TemplateError):
+        UntrustedTemplate("{{ foo(")
