@@ -30,8 +30,14 @@ sys.exit(rc)
 
 def write_dataset(path: Path, rows: int, seed: int = 0) -> None:
     rng = random.Random(seed)
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
     with path.open("w") as f:
         for i in range(rows):
             msgs = [{"role": "system", "content": f"You are assistant {i % 7}."}] if rng.random() < 0.5 else []
@@ -76,8 +82,19 @@ def main() -> None:
         if not args.skip_ray:
             configs.append(("Ray Data (2 actors)", ["--ray", "--workers", "2"]))
         for name, extra in configs:
-            cmd = [sys.executable, "-m", "llamaprompt.cli", "render-dataset", str(src), "-o", str(Path(tmp) / "o.parquet"),
-                   "-t", template, "--no-progress", *extra]
+            cmd = [
+                sys.executable,
+                "-m",
+                "llamaprompt.cli",
+                "render-dataset",
+                str(src),
+                "-o",
+                str(Path(tmp) / "o.parquet"),
+                "-t",
+                template,
+                "--no-progress",
+                *extra,
+            ]
             dt, peak = run(cmd)
             results[name] = {"seconds": dt, "rows_per_s": args.rows / dt, "peak_rss_mib": peak}
     base = results["1 process"]["rows_per_s"]
@@ -86,8 +103,10 @@ def main() -> None:
         return
     print(f"{args.rows} rows, template {args.template}, llama.cpp {llamaprompt.LLAMA_CPP_COMMIT}")
     for name, r in results.items():
-        print(f"  {name:22s} {r['rows_per_s']:8.0f} rows/s  ({r['rows_per_s'] / base:.2f}x)  "
-              f"{r['seconds']:7.1f} s  peak RSS {r['peak_rss_mib']:.0f} MiB")
+        print(
+            f"  {name:22s} {r['rows_per_s']:8.0f} rows/s  ({r['rows_per_s'] / base:.2f}x)  "
+            f"{r['seconds']:7.1f} s  peak RSS {r['peak_rss_mib']:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -117,7 +117,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"GGUF file: {result['file_gib']:.2f} GiB (sparse tensor data), {args.repeat} loads each, fresh process per load")
+    print(
+        f"GGUF file: {result['file_gib']:.2f} GiB (sparse tensor data), {args.repeat} loads each, "
+        "fresh process per load"
+    )
     for name in ("llamaprompt.from_gguf", "gguf.GGUFReader"):
         r = result[name]
         print(
