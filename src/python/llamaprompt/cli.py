@@ -274,6 +274,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument(
+        "--untrusted",
+        action="store_true",
+        help="run each template in a sandboxed worker process with a time budget (llamaprompt.sandbox)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=10.0, metavar="S", help="with --untrusted: seconds one render may take"
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=16 * 1024 * 1024,
@@ -283,15 +291,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_many(args: argparse.Namespace, server_args: list[str]) -> dict[str, ChatTemplate]:
-    """name -> ChatTemplate for fixtures/serve (names: file names, made unique)."""
+def _load_many(args: argparse.Namespace, server_args: list[str], factory: Any = ChatTemplate,
+               **extra: Any) -> dict[str, Any]:
+    """name -> template for fixtures/serve (names: file names, made unique); ``factory`` is
+    ChatTemplate or UntrustedTemplate (same constructors)."""
     paths = [Path(p) for p in args.template]
     if args.templates:
         paths += sorted(Path(args.templates).glob("*.jinja"))
     if args.pinned is not None:
         paths += [pinned_template(n) for n in args.pinned] if args.pinned else pinned_templates()
     sargs = [*args.server_arg, *server_args]
-    out: dict[str, ChatTemplate] = {}
+    out: dict[str, Any] = {}
 
     def name_for(path: Path) -> str:
         name, i = path.name, 2
@@ -300,7 +310,7 @@ def _load_many(args: argparse.Namespace, server_args: list[str]) -> dict[str, Ch
         return name
 
     for path in paths:
-        out[name_for(path)] = ChatTemplate.from_file(
+        out[name_for(path)] = factory.from_file(
             path,
             bos_token=args.bos_token,
             eos_token=args.eos_token,
@@ -308,9 +318,10 @@ def _load_many(args: argparse.Namespace, server_args: list[str]) -> dict[str, Ch
             add_eos=args.add_eos,
             media_marker=args.media_marker,
             server_args=sargs,
+            **extra,
         )
     for path in map(Path, args.gguf):
-        out[name_for(path)] = ChatTemplate.from_gguf(path, media_marker=args.media_marker, server_args=sargs)
+        out[name_for(path)] = factory.from_gguf(path, media_marker=args.media_marker, server_args=sargs, **extra)
     if not out:
         raise RequestError("no templates: give --template, --templates DIR, --gguf or --pinned")
     return out
@@ -511,7 +522,13 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
     # serve
     from .server import serve
 
-    serve(_load_many(args, server_args), host=args.host, port=args.port, max_body_bytes=args.max_body_bytes)
+    if args.untrusted:
+        from .sandbox import UntrustedTemplate
+
+        templates = _load_many(args, server_args, factory=UntrustedTemplate, timeout=args.timeout)
+    else:
+        templates = _load_many(args, server_args)
+    serve(templates, host=args.host, port=args.port, max_body_bytes=args.max_body_bytes)
     return 0
 
 

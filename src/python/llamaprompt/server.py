@@ -10,7 +10,9 @@ Routes (llama-server's): ``POST /apply-template``, ``GET /props``, ``POST /token
 llama-server's status codes and ``{"error": {"code", "message", "type"}}`` body.
 
 Built on Starlette + uvicorn (the ``server`` extra). Rendering runs in a thread pool; the
-GIL is released inside llama.cpp, so requests are served in parallel.
+GIL is released inside llama.cpp, so requests are served in parallel. With ``--untrusted``
+every template runs in a sandboxed worker process (llamaprompt.sandbox): a template that
+loops or crashes costs that request a 500 error, not the server.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def _error(status: int, message: str, kind: str | None = None):
     return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
 
 
-def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """A Starlette app serving ``templates`` (name -> ChatTemplate; the first is the default)."""
+def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """A Starlette app serving ``templates`` (name -> ChatTemplate, or UntrustedTemplate for
+    templates that must run in a sandboxed worker; the first is the default)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
@@ -84,6 +87,8 @@ def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = D
             parsed = json.loads(raw) if raw else None
         except ValueError:
             parsed = None  # llama.cpp parses the raw body and reports the error
+        except RecursionError:
+            return _error(400, "request is nested too deeply")
         chosen = pick(request, parsed)
         if chosen is None:
             return unknown_model()
@@ -117,8 +122,8 @@ def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = D
         return {"prompt": t.apply_template(raw)}
 
     def do_tokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
-        if t.gguf_path is None:
-            raise Error("tokenize needs a GGUF-backed model (serve --gguf)", 501)
+        if getattr(t, "gguf_path", None) is None:
+            raise Error("tokenize needs a GGUF-backed model (serve --gguf, trusted)", 501)
         if not isinstance(parsed, dict):
             raise Error("request body must be a JSON object", 500)
         if "content" not in parsed:
@@ -143,8 +148,8 @@ def create_app(templates: Mapping[str, ChatTemplate], *, max_body_bytes: int = D
         return {"tokens": ids}
 
     def do_detokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
-        if t.gguf_path is None:
-            raise Error("detokenize needs a GGUF-backed model (serve --gguf)", 501)
+        if getattr(t, "gguf_path", None) is None:
+            raise Error("detokenize needs a GGUF-backed model (serve --gguf, trusted)", 501)
         if not isinstance(parsed, dict):
             raise Error("request body must be a JSON object", 500)
         tokens = parsed.get("tokens", [])
