@@ -55,6 +55,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(base: str, seconds: float = 60.0) -> None:
+    """Wait until the server answers GET /health."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{base} did not start")
+
+
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -81,12 +93,7 @@ def run(seconds: float, clients: int, untrusted: bool) -> dict:
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_ready(base)
         expected = {
             (n, i): llamaprompt.ChatTemplate.from_file(p).apply_template(r)
             for n, p in zip(TEMPLATES, paths)

@@ -385,19 +385,21 @@ def test_cli_parse(tmp_path):
     assert proc.returncode == 0, proc.stderr
     msg = json.loads(proc.stdout)
     assert _is_intended(msg) and msg["reasoning_content"].strip() == "hm"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llamaprompt.cli",
-            "parse",
-            "--template",
-            str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")),
-            "--request",
-            str(req),
-            "--stream",
-            str(out),
-        ],
-        capture_output=True,
-    )
-    assert proc.returncode == 0 and all("delta" not in line for line in proc.stdout.decode().splitlines()[:1])
+    cli = [
+        sys.executable,
+        "-m",
+        "llamaprompt.cli",
+        "parse",
+        "--template",
+        str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")),
+        "--request",
+        str(req),
+        "--stream",
+        str(out),
+    ]
+    proc = subprocess.run(cli, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    deltas = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    names = "".join(tc.get("function", {}).get("name", "") for d in deltas for tc in d.get("tool_calls", []))
+    assert names == "get_weather"
+    assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "hm"

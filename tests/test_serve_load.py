@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -51,12 +49,7 @@ def test_untrusted_server_survives_a_looping_template(tmp_path):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        serve_load.wait_ready(base)
         status, body = serve_load.post(f"{base}/apply-template", b'{"messages":[{"role":"user","content":"loop"}]}')
         assert status == 500 and "budget" in json.loads(body)["error"]["message"]
         status, body = serve_load.post(f"{base}/apply-template", b'{"messages":[{"role":"user","content":"hi"}]}')
