@@ -86,3 +86,10 @@ def test_help_and_version():
     assert run("--help").returncode == 0
     proc = run("--version")
     assert proc.returncode == 0 and llamaprompt.LLAMA_CPP_COMMIT.encode() in proc.stdout
+
+
+def test_render_params_prints_json(tmp_path):
+    proc = run("render", "--params")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt"].startswith("<|im_start|>system") and out["format"] and "llama_params" in out

@@ -211,3 +211,33 @@ def test_pickling_keeps_everything(tmp_path):
         assert u.caps == t.caps and u.server_args == t.server_args and u.bos_token == t.bos_token
         assert u.apply_template(req) == t.apply_template(req)
     assert pickle.loads(pickle.dumps(by_gguf)).tokenize("hi").tolist() == by_gguf.tokenize("hi").tolist()
+
+
+def test_typed_rows_keep_exact_json_and_bad_rows_stay_rows():
+    t = llamaprompt.ChatTemplate.from_file(template_path(TEMPLATES[0]))
+
+    def tool(props):
+        return [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}]
+
+    rows = [
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "tools": tool({"x": {"type": "string"}, "y": {"type": "integer"}}),
+        },
+        {
+            "messages": [{"role": "user", "content": "b"}],
+            "tools": tool({"y": {"type": "integer"}, "x": {"type": "string", "default": None}}),
+        },
+        {"messages": '[{"role":"user","content":"x","extra":' + "[" * 50000 + "]" * 50000 + "}]"},
+        {"messages": [{"role": "user", "content": 5}]},
+    ]
+    out = data.render_table(t, rows)
+    prompts, errors = out.column("prompt").to_pylist(), out.column("error").to_pylist()
+    assert prompts[:2] == [t.apply_template(r) for r in rows[:2]]  # key order and nulls kept
+    assert prompts[2] is None and "nested too deeply" in errors[2]
+    assert prompts[3] is None and errors[3] == "Expected 'content' to be a string or an array"
+    pd = pytest.importorskip("pandas")
+    again = data.render_table(t, pd.DataFrame(rows[:2] + rows[3:]))
+    assert again.column("prompt").to_pylist()[:2] == prompts[:2]
+    # re-rendering an output table replaces its prompt/error columns
+    assert data.render_table(t, out).column_names.count("prompt") == 1

@@ -38,6 +38,13 @@ from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
 __all__ = ["main"]
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
 def _template_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("template (as llama-server loads it)")
     g.add_argument(
@@ -175,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("input", metavar="IN", help="input .jsonl or .parquet file")
     p.add_argument("-o", "--output", required=True, metavar="OUT.parquet")
     p.add_argument("--tokens", action="store_true", help="add prompt tokens (needs --gguf)")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default 1)")
+    p.add_argument("--workers", type=_positive, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--batch-rows", type=int, default=2048, metavar="N", help="rows per batch (default 2048)")
     p.add_argument("--ray", action="store_true", help="run the batches on Ray Data (pip install 'llamaprompt[ray]')")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -291,8 +298,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_many(args: argparse.Namespace, server_args: list[str], factory: Any = ChatTemplate,
-               **extra: Any) -> dict[str, Any]:
+def _load_many(
+    args: argparse.Namespace, server_args: list[str], factory: Any = ChatTemplate, **extra: Any
+) -> dict[str, Any]:
     """name -> template for fixtures/serve (names: file names, made unique); ``factory`` is
     ChatTemplate or UntrustedTemplate (same constructors)."""
     paths = [Path(p) for p in args.template]
@@ -365,6 +373,10 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
             **common,
         )
     if args.gguf:
+        if args.bos_token or args.eos_token or args.add_bos or args.add_eos:
+            raise RequestError(
+                "--bos-token/--eos-token/--add-bos/--add-eos do not apply with --gguf: the model file gives them"
+            )
         override = None
         if args.template:
             with open(args.template, "rb") as f:
@@ -374,6 +386,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
             chat_template=override,
             media_marker=args.media_marker,
             server_args=[*args.server_arg, *server_args],
+            **common,
         )
     path = args.template or pinned_template(DEFAULT_TEMPLATE)
     return ChatTemplate.from_file(
@@ -428,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             request = SAMPLE_REQUEST if args.request is None else _read_bytes(args.request)
             if args.params:
                 params = template.apply(request)
-                out = {k: v for k, v in vars(params).items()}
+                out = {k: v for k, v in vars(params).items() if not k.startswith("_")}
                 _print_json(out)
             else:
                 prompt = template.apply_template(request)
@@ -475,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = f" (HTTP {e.status})" if e.status else ""
         print(f"llamaprompt: {type(e).__name__}{status}: {e.message}", file=sys.stderr)
         return 2
-    except (OSError, ValueError, TypeError, UnicodeError) as e:
+    except (OSError, ValueError, TypeError, UnicodeError, KeyError) as e:
         print(f"llamaprompt: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 0

@@ -50,7 +50,7 @@ def as_arrow_table(data: Any):
     if hasattr(data, "to_arrow"):  # polars
         return data.to_arrow()
     if type(data).__module__.startswith("pandas"):
-        return pa.Table.from_pandas(data, preserve_index=False)
+        return _table_from_rows(data.to_dict("records"))
     if hasattr(data, "__arrow_c_stream__"):
         return pa.table(data)
     raise TypeError(f"cannot make an Arrow table from {type(data).__name__}")
@@ -58,8 +58,9 @@ def as_arrow_table(data: Any):
 
 def _table_from_rows(rows: list[Any]):
     """Rows (dicts) as columns: every key of every row (pyarrow's from_pylist would take the
-    first row's keys only); a column Arrow cannot type consistently (e.g. content that is a
-    string in one row and a number in another) travels as JSON text instead."""
+    first row's keys only). Nested values (lists, dicts) travel as JSON text: an Arrow struct
+    type is shared by all rows, which would reorder keys and add null fields (a tools schema
+    would then render differently from the request)."""
     pa = _pa()
     keys: dict[str, None] = {}
     for row in rows:
@@ -69,13 +70,25 @@ def _table_from_rows(rows: list[Any]):
     columns = {}
     for k in keys:
         values = [row.get(k) for row in rows]
-        try:
+        if any(isinstance(v, (list, dict)) for v in values) or not _arrow_ok(pa, values):
+            columns[k] = pa.array([_json_text(v) for v in values], pa.string())
+        else:
             columns[k] = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            columns[k] = pa.array(
-                [None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string()
-            )
-    return pa.table(columns)
+    return pa.table(columns) if columns else pa.table({"messages": pa.array([], pa.string())})
+
+
+def _arrow_ok(pa: Any, values: list[Any]) -> bool:
+    try:
+        pa.array(values)
+        return True
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return False
+
+
+def _json_text(v: Any) -> str | None:
+    if v is None or (isinstance(v, float) and v != v):  # None, or pandas' NaN for a missing cell
+        return None
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -94,7 +107,10 @@ def _drop_nulls(value: Any) -> Any:
 
 def _json_or_value(value: Any) -> Any:
     if isinstance(value, (str, bytes)):
-        return json.loads(value)
+        try:
+            return json.loads(value)
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
     return _drop_nulls(value)
 
 
@@ -120,8 +136,8 @@ def _render_one(template: ChatTemplate, body: Any, tokens: bool) -> tuple[str | 
         prompt = template.apply_template(body)
         toks = template.tokenize(prompt, add_special=True).tolist() if tokens else None
         return prompt, None, toks
-    except (Error, ValueError, TypeError) as e:
-        return None, getattr(e, "message", None) or str(e), None
+    except (Error, ValueError, TypeError, RecursionError) as e:
+        return None, getattr(e, "message", None) or str(e) or type(e).__name__, None
 
 
 def _bodies(table, messages: str, tools: str | None, kwargs: Any) -> list[Any]:
@@ -185,6 +201,10 @@ def render_table(
     """
     pa = _pa()
     tbl = as_arrow_table(table)
+    # output columns replace same-named input columns (a re-render of an earlier output)
+    for name in ("prompt", "error", "tokens"):
+        if name in tbl.column_names:
+            tbl = tbl.drop_columns([name])
     results = render_rows(template, _bodies(tbl, messages, tools, kwargs), tokens=tokens, threads=threads)
     tbl = tbl.append_column("prompt", pa.array([r[0] for r in results], pa.string()))
     tbl = tbl.append_column("error", pa.array([r[1] for r in results], pa.string()))

@@ -66,10 +66,16 @@ class ChatParams:
         {"name", "arguments" (JSON text)}}]``; ids are random, as llama-server's).
 
         The parser is the one ``common_chat_templates_apply`` built for this request
-        (``parser``, ``format``, ``generation_prompt``), with llama-server's parameters
-        (``eval_llama_cmpl_schema``): ``reasoning_format`` defaults to the server's
-        (``--reasoning-format``, default ``deepseek``; ``none`` keeps reasoning in content),
-        ``parse_tool_calls`` to the server's (on).
+        (``parser``, ``format``, ``generation_prompt``), with llama-server's task parameters
+        (``eval_llama_cmpl_schema``). How reasoning is separated is decided when the parser is
+        built: put ``"reasoning_format"`` in the request (or ``--reasoning-format`` in
+        server_args; ``none`` keeps reasoning in the content), as with llama-server. The
+        ``reasoning_format`` and ``parse_tool_calls`` arguments set the task parameters of the
+        same names (the server's defaults otherwise); the PEG parsers of this llama.cpp do not
+        consult them, so they rarely change the result.
+
+        Like llama-server, the parse is lenient: a finished output that stops inside a tool
+        call can come back with partial arguments rather than an error.
 
         Args:
             text: the generated text (what follows the prompt).

@@ -21,9 +21,13 @@ worker is a ChatTemplate); the cost is one process (~50 MiB) and an IPC round tr
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
+import pickle
+import select
 import signal
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -42,7 +46,8 @@ _ERRORS = {c.__name__: c for c in (Error, RequestError, TemplateError, ServerArg
 
 def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_bytes: int) -> None:
     """The worker: builds the ChatTemplate, then answers (method, args) requests."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    with contextlib.suppress(ValueError):  # the parent decides when we stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if max_memory_bytes:
         try:
             import resource
@@ -106,6 +111,60 @@ def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_by
             conn.send(("ok", out))
         except BaseException as e:  # noqa: BLE001
             reply_error(e)
+
+
+class _PipeConnection:
+    """Length-prefixed pickles over a pair of pipes (the worker's stdin/stdout), on raw file
+    descriptors so that poll() never blocks on a buffered read."""
+
+    def __init__(self, reader: Any, writer: Any) -> None:
+        self._files = (reader, writer)
+        self._r, self._w = reader.fileno(), writer.fileno()
+        self._buf = b""
+
+    def send(self, obj: Any) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(struct.pack("<Q", len(data)) + data)
+        while view:
+            n = os.write(self._w, view)
+            view = view[n:]
+
+    def _fill(self, n: int) -> None:
+        while len(self._buf) < n:
+            chunk = os.read(self._r, max(n - len(self._buf), 1 << 16))
+            if not chunk:
+                raise EOFError("worker closed the pipe")
+            self._buf += chunk
+
+    def recv(self) -> Any:
+        self._fill(8)
+        (n,) = struct.unpack("<Q", self._buf[:8])
+        self._fill(8 + n)
+        data, self._buf = self._buf[8 : 8 + n], self._buf[8 + n :]
+        return pickle.loads(data)
+
+    def poll(self, timeout: float) -> bool:
+        if self._buf:
+            return True
+        ready, _, _ = select.select([self._r], [], [], timeout)
+        return bool(ready)
+
+    def close(self) -> None:
+        for f in self._files:
+            with contextlib.suppress(OSError, ValueError):
+                f.close()
+
+
+def _worker_entry() -> None:
+    """``python -m llamaprompt.sandbox``: a worker talking over its stdin/stdout."""
+    conn = _PipeConnection(sys.stdin.buffer, sys.stdout.buffer)
+    sys.stdout = sys.stderr  # anything printed must not corrupt the channel
+    try:
+        build, max_memory, max_output = conn.recv()
+    except Exception as e:  # noqa: BLE001 - e.g. a hook class that cannot be imported here
+        conn.send(("error", "TemplateError", f"the sandbox worker cannot rebuild the template: {e}", None))
+        return
+    _worker_main(conn, build, max_memory, max_output)
 
 
 class UntrustedTemplate:
@@ -180,42 +239,45 @@ class UntrustedTemplate:
     # -- the worker -----------------------------------------------------------------------
 
     def _start(self) -> dict[str, Any]:
-        ctx = mp.get_context("spawn")  # no fork of a threaded parent
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=_worker_main, args=(child, self._build, self._max_memory, self._max_output), daemon=True
+        # a fresh interpreter running this module (no fork of a threaded parent, and unlike
+        # multiprocessing's spawn it never re-imports the caller's __main__)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llamaprompt.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True
         )
-        proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
-        # the load itself runs the template (llama-server's thinking probe): same budget
-        return self._receive(self._timeout + 30.0)  # + interpreter start-up
+        self._proc = proc
+        self._conn = _PipeConnection(proc.stdout, proc.stdin)
+        try:
+            self._conn.send((self._build, self._max_memory, self._max_output))
+        except (OSError, ValueError, pickle.PicklingError, AttributeError, TypeError) as e:
+            self._kill()
+            raise TemplateError(f"the template cannot be sent to the sandbox worker: {e}", None) from None
+        # the load runs the template too (llama-server's thinking probe); start-up gets 30 s more
+        return self._receive(self._timeout + 30.0, loading=True)
 
     def _kill(self) -> None:
         if self._proc is not None:
-            if self._proc.is_alive():
+            if self._proc.poll() is None:
                 self._proc.kill()
-            self._proc.join(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(5)
         if self._conn is not None:
             self._conn.close()
         self._proc = self._conn = None
 
-    def _receive(self, timeout: float) -> Any:
+    def _receive(self, timeout: float, loading: bool = False) -> Any:
         conn, proc = self._conn, self._proc
-        try:
-            ready = conn.poll(timeout)
-        except (OSError, EOFError):
-            ready = True
-        if not ready:
+        if not conn.poll(timeout):
             self._kill()
+            what = f"{timeout:g} s to load" if loading else f"{self._timeout:g} s"
             raise TemplateError(
-                f"the template ran longer than the sandbox's budget ({self._timeout:g} s); its worker was stopped", 500
+                f"the template ran longer than the sandbox's budget ({what}); its worker was stopped", 500
             )
         try:
             msg = conn.recv()
-        except (EOFError, OSError):
-            proc.join(5)
-            code = proc.exitcode
+        except (EOFError, OSError, pickle.UnpicklingError):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            code = proc.returncode
             self._kill()
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             raise TemplateError(f"the template crashed the sandbox worker ({how})", 500) from None
@@ -231,7 +293,7 @@ class UntrustedTemplate:
 
     def _call(self, method: str, payload: Any) -> Any:
         with self._lock:
-            if self._proc is None or not self._proc.is_alive():
+            if self._proc is None or self._proc.poll() is not None:
                 self._kill()
                 self._info = self._start()
             try:
@@ -298,3 +360,7 @@ class UntrustedTemplate:
     ) -> list[dict[str, Any]]:
         """As ChatTemplate.normalize, in the worker."""
         return self._call("normalize", (list(messages), list(tools) if tools else None))
+
+
+if __name__ == "__main__":
+    _worker_entry()

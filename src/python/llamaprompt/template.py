@@ -76,6 +76,8 @@ def _server_args(server_args: Sequence[str], handler: str) -> list[str]:
 def _check_caps(caps: Mapping[str, bool] | None) -> dict[str, bool]:
     if not caps:
         return {}
+    if not isinstance(caps, Mapping):
+        raise TypeError(f"caps must be a mapping of caps keys to bools, not {type(caps).__name__}")
     unknown = sorted(set(caps) - set(_CAPS_KEYS))
     if unknown:
         raise ValueError(f"unknown caps keys: {', '.join(unknown)} (known: {', '.join(_CAPS_KEYS)})")
@@ -86,7 +88,15 @@ def _check_caps(caps: Mapping[str, bool] | None) -> dict[str, bool]:
 
 
 def _before(request: Request, hooks: list[Any]) -> Request:
-    body: Any = json.loads(request) if isinstance(request, (str, bytes)) else copy.deepcopy(dict(request))
+    if isinstance(request, (str, bytes)):
+        try:
+            body: Any = json.loads(request)
+        except (ValueError, RecursionError):
+            return request  # not a JSON object: llama.cpp reports it, as without hooks
+        if not isinstance(body, dict):
+            return request
+    else:
+        body = copy.deepcopy(dict(request))
     for hook in hooks:
         before = getattr(hook, "before_request", None)
         if before is not None:
@@ -517,6 +527,8 @@ class ChatTemplate:
             after = getattr(hook, "after_params", None)
             if after is not None:
                 params = after(params)
+                if not isinstance(params, ChatParams):
+                    raise TypeError(f"{type(hook).__name__}.after_params must return the ChatParams")
         return params
 
     def apply(self, request: Request) -> ChatParams:
