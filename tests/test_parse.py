@@ -368,23 +368,6 @@ def test_cli_parse(tmp_path):
     out.write_text(
         '<think>\nhm\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llamaprompt.cli",
-            "parse",
-            "--template",
-            str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")),
-            "--request",
-            str(req),
-            str(out),
-        ],
-        capture_output=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    msg = json.loads(proc.stdout)
-    assert _is_intended(msg) and msg["reasoning_content"].strip() == "hm"
     cli = [
         sys.executable,
         "-m",
@@ -394,9 +377,13 @@ def test_cli_parse(tmp_path):
         str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")),
         "--request",
         str(req),
-        "--stream",
         str(out),
     ]
+    proc = subprocess.run(cli, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    msg = json.loads(proc.stdout)
+    assert _is_intended(msg) and msg["reasoning_content"].strip() == "hm"
+    cli.append("--stream")
     proc = subprocess.run(cli, capture_output=True)
     assert proc.returncode == 0, proc.stderr
     deltas = [json.loads(line) for line in proc.stdout.decode().splitlines()]
