@@ -1,7 +1,17 @@
-"""The analysis cache (cache_analysis=True, the default) changes no output: every template
-x request of the reference set gives byte-identical ChatParams (every field, including the
-full llama_params, grammar and serialized parser) through the cached path and through the
-unmodified upstream sequence (cache_analysis=False), or the same error."""
+"""The fast path (fast_path=True, the default) changes no output.
+
+For every template x request of the reference set, in both reference files (plain, and
+the two llama-server flag variants), and over two rounds (the second is served from the
+per-template analysis cache and the parser-input memo):
+- apply() gives byte-identical ChatParams (every field, including the full llama_params,
+  grammar and serialized parser) through the fast path and through the unmodified
+  upstream sequence (fast_path=False), or the same error;
+- apply_template() -- which takes the prompt-only path once the parser inputs are known --
+  gives the same prompt or the same error, on a template that never ran apply() (so the
+  memo is filled by apply_template's own full-path calls) and through
+  apply_template_many() on two threads.
+The fast path must actually have been taken, or these comparisons would prove nothing.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +22,23 @@ import pytest
 import llamaprompt
 from conftest import load_reference, template_path
 
-
-def _names():
-    try:
-        return list(load_reference("apply_template.json")["variants"][0]["templates"])
-    except pytest.skip.Exception:
-        return []
+FILES = ("apply_template.json", "apply_template_server_args.json")
 
 
-def _outcome(t, request):
+def _cases():
+    out = []
+    for file in FILES:
+        try:
+            ref = load_reference(file)
+        except pytest.skip.Exception:
+            continue
+        for vi, variant in enumerate(ref["variants"]):
+            for name in variant["templates"]:
+                out.append(pytest.param(file, vi, name, id=f"{file.split('.')[0]}-{vi}-{name}"))
+    return out
+
+
+def _params_outcome(t, request):
     try:
         p = t.apply(request)
     except llamaprompt.Error as e:
@@ -29,13 +47,46 @@ def _outcome(t, request):
     return ("ok", fields)
 
 
-@pytest.mark.parametrize("name", _names())
-def test_cached_analysis_changes_nothing(name):
-    ref = load_reference("apply_template.json")
+def _prompt_outcome(result):
+    if isinstance(result, llamaprompt.Error):
+        return ("error", type(result).__name__, result.status, result.message)
+    return ("ok", result)
+
+
+def _prompt(t, request):
+    try:
+        return _prompt_outcome(t.apply_template(request))
+    except llamaprompt.Error as e:
+        return _prompt_outcome(e)
+
+
+@pytest.mark.parametrize(("file", "variant", "name"), _cases())
+def test_fast_path_changes_nothing(file, variant, name):
+    ref = load_reference(file)
     tok = ref["model_tokens"]
-    opts = dict(bos_token=tok["bos_token"], eos_token=tok["eos_token"], add_bos=tok["add_bos"], add_eos=tok["add_eos"])
-    fast = llamaprompt.ChatTemplate.from_file(template_path(name), **opts)
-    upstream = llamaprompt.ChatTemplate.from_file(template_path(name), cache_analysis=False, **opts)
-    for _round in range(2):  # the second round is served from the cache
-        for rname, request in ref["requests"].items():
-            assert _outcome(fast, request) == _outcome(upstream, request), f"{name} / {rname}"
+    opts = dict(
+        bos_token=tok["bos_token"],
+        eos_token=tok["eos_token"],
+        add_bos=tok["add_bos"],
+        add_eos=tok["add_eos"],
+        server_args=ref["variants"][variant].get("server_args", []),
+    )
+    path = template_path(name)
+    upstream = llamaprompt.ChatTemplate.from_file(path, fast_path=False, **opts)
+    fast = llamaprompt.ChatTemplate.from_file(path, **opts)
+    prompts_only = llamaprompt.ChatTemplate.from_file(path, **opts)
+    many = llamaprompt.ChatTemplate.from_file(path, **opts)
+    requests = list(ref["requests"].items())
+    expected_prompts = [_prompt(upstream, request) for _, request in requests]
+    for _round in range(2):
+        for (rname, request), expected in zip(requests, expected_prompts):
+            assert _params_outcome(fast, request) == _params_outcome(upstream, request), f"{name} / {rname}"
+            assert _prompt(prompts_only, request) == expected, f"{name} / {rname} (apply_template)"
+        got = many.apply_template_many([r for _, r in requests], threads=2, return_exceptions=True)
+        assert [_prompt_outcome(g) for g in got] == expected_prompts, f"{name} (apply_template_many)"
+    assert upstream._core.prompt_only_renders() == 0
+    # every template that renders at least one request without error on the autoparser path
+    # serves its second round from the memo
+    if prompts_only.describe()["handler"] == "autoparser" and any(e[0] == "ok" for e in expected_prompts):
+        assert prompts_only._core.prompt_only_renders() > 0, name
+        assert many._core.prompt_only_renders() > 0, name

@@ -10,10 +10,10 @@ import os
 import pytest
 
 import llamaprompt
-from conftest import load_reference, template_path
+from conftest import load_reference, template_path, vocab_gguf
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = int(os.environ.get("LLAMAPROMPT_FUZZ_EXAMPLES", "150"))
@@ -120,3 +120,153 @@ def test_raw_bodies_never_crash(text):
         TEMPLATES["Qwen-Qwen3-0.6B.jinja"].apply_template(text)
     except llamaprompt.Error as e:
         assert e.status in (400, 500)
+
+
+# -- template text ---------------------------------------------------------------------
+# Pinned templates mutated by insertions of hostile or broken Jinja, deletions and
+# truncations, loaded and rendered in-process with small budgets: a prompt or a typed
+# error, never a crash (a recursion would kill this process) and never unbounded work.
+
+SNIPPETS = [
+    b"{{",
+    b"}}",
+    b"{%",
+    b"%}",
+    b"{% endfor %}",
+    b"{% endif %}",
+    b"{% for m in messages %}",
+    b"{% if x %}",
+    b"{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    b"{{ 'ab' * 100000000 }}",
+    b"{% for i in range(100000000) %}{% endfor %}",
+    b"{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+    b"{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    b"{{ messages[1000] }}",
+    b"{{ raise_exception('fuzz') }}",
+    b"{{ messages|tojson }}",
+    b"{{ none.x.y }}",
+    b"{{ 1 / 0 }}",
+    b"{{ tools|map(attribute='x')|list }}",
+    b"{{ (messages|length) * 99999999999 }}",
+    b"\x00",
+    b"\xff\xfe",
+    b"\xc3",
+    b"{{ '\xe2\x82' }}",
+]
+
+template_sources = st.sampled_from(
+    [
+        "Qwen-Qwen3-0.6B.jinja",
+        "openai-gpt-oss-120b.jinja",
+        "google-gemma-2-2b-it.jinja",
+        "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    ]
+)
+edits = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "delete", "truncate", "bytes"]),
+        st.floats(0, 1),
+        st.integers(0, len(SNIPPETS) - 1),
+        st.binary(min_size=1, max_size=8),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def _mutate(src: bytes, ops) -> bytes:
+    for kind, where, snippet, raw in ops:
+        at = int(where * len(src))
+        if kind == "insert":  # after a tag or an output, so that the result often still parses
+            ends = [i + 2 for i in range(len(src) - 1) if src[i : i + 2] in (b"%}", b"}}")] or [at]
+            at = ends[min(int(where * len(ends)), len(ends) - 1)]
+            src = src[:at] + SNIPPETS[snippet] + src[at:]
+        elif kind == "delete":
+            src = src[:at] + src[at + 1 + snippet * 7 :]
+        elif kind == "truncate":
+            src = src[:at]
+        else:
+            src = src[:at] + raw + src[at:]
+    return src
+
+
+@settings(max_examples=max(20, EXAMPLES // 5), deadline=None, suppress_health_check=list(HealthCheck))
+@given(name=template_sources, ops=edits)
+def test_mutated_templates_never_crash(name, ops):
+    src = _mutate(template_path(name).read_bytes(), ops)
+    try:
+        t = llamaprompt.ChatTemplate(src, timeout=0.5, max_output_bytes=1 << 20)
+    except llamaprompt.TemplateError as e:
+        event("load refused: " + ("budget" if "budget" in e.message or "deeply" in e.message else "other"))
+        return
+    event("loaded")
+    for request in _seed_requests()[:4]:
+        try:
+            assert isinstance(t.apply_template(request), str)
+            event("rendered")
+        except llamaprompt.Error as e:
+            assert e.status in (400, 500)
+            event("render error: " + ("budget" if "budget" in e.message or "deeply" in e.message else "other"))
+
+
+# -- GGUF bytes ------------------------------------------------------------------------
+# Vocab GGUF files truncated, with bytes overwritten in the header / metadata region, and
+# with 8-byte counts set to absurd values. Each file is opened (vocab only) and, when it
+# loads, used to tokenize -- in a child process, so that an abort is reported with the
+# file that caused it instead of killing the test run.
+
+GGUF_FILES = int(os.environ.get("LLAMAPROMPT_FUZZ_GGUF", "40"))
+
+_GGUF_CHILD = """
+import sys, llamaprompt
+for i, path in enumerate(sys.argv[1:]):
+    print(i, path, flush=True)
+    try:
+        t = llamaprompt.ChatTemplate.from_gguf(path)
+        t.tokenize("Hello world <|im_start|> 123")
+        t.apply_template({"messages": [{"role": "user", "content": "hi"}]})
+    except llamaprompt.Error:
+        pass
+print("done", flush=True)
+"""
+
+
+def _gguf_mutants(tmp_path, n: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    sources = [
+        vocab_gguf(f) for f in ("ggml-vocab-qwen2.gguf", "ggml-vocab-llama-spm.gguf", "ggml-vocab-bert-bge.gguf")
+    ]
+    out = []
+    for i in range(n):
+        src = sources[i % len(sources)]
+        data = bytearray(src.read_bytes())
+        kind = ("truncate", "overwrite", "count")[i % 3]
+        if kind == "truncate":
+            data = data[: rng.randrange(len(data))]
+        elif kind == "overwrite":
+            for _ in range(rng.randint(1, 8)):
+                at = rng.randrange(min(len(data), 65536))
+                data[at] = rng.randrange(256)
+        else:
+            at = rng.randrange(8, min(len(data), 4096) - 8)
+            data[at : at + 8] = rng.choice(
+                [b"\xff" * 8, b"\x00\x00\x00\x80" + b"\x00" * 4, (2**40).to_bytes(8, "little")]
+            )
+        path = tmp_path / f"mutant-{i:04d}-{kind}-{src.stem}.gguf"
+        path.write_bytes(bytes(data))
+        out.append(path)
+    return out
+
+
+def test_mutated_gguf_files_never_crash(tmp_path):
+    import subprocess
+    import sys
+
+    files = _gguf_mutants(tmp_path, GGUF_FILES)
+    proc = subprocess.run(
+        [sys.executable, "-c", _GGUF_CHILD, *map(str, files)], capture_output=True, text=True, timeout=900
+    )
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "(nothing)"
+    assert proc.returncode == 0 and last == "done", f"crashed at: {last}\n{proc.stderr[-2000:]}"

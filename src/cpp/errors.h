@@ -46,6 +46,9 @@ auto call_upstream(F && fn) -> decltype(fn()) {
     throw error(status == 400 ? error_kind::request : error_kind::template_, status, message);
 }
 
+// the llamaprompt.errors exception object for an error (needs the GIL)
+pybind11::object make_py_error(error_kind kind, int status, const std::string & message);
+
 void register_errors(pybind11::module_ & m);
 
 }  // namespace llamaprompt

@@ -5,10 +5,12 @@
 // functions declared here. None of them re-derives upstream logic: they call it.
 #pragma once
 
+#include "chat-auto-parser.h"
 #include "chat.h"
 #include "common.h"
 #include "server-common.h"
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -23,10 +25,23 @@ namespace llamaprompt {
 struct analysis_cache;  // per-template results of autoparser::analyze_template (shim_chat.cpp)
 std::shared_ptr<analysis_cache> make_analysis_cache();
 
+// Per-template set of parser-generation inputs (everything autoparser's generate_parser
+// reads except the messages) for which the parser and grammar were generated without error.
+struct parser_memo;
+std::shared_ptr<parser_memo> make_parser_memo();
+
 struct handler_state {
     bool skip_specialized = false;  // in: take the differential autoparser path
     bool specialized_used = false;  // out: a specialized handler produced the params
     analysis_cache * cache = nullptr;  // in: reuse the template analysis (null: analyze every call)
+    // in: the caller needs only the prompt (POST /apply-template). With a memo, a request whose
+    // parser inputs already produced a parser without error gets the prompt from
+    // common_chat_template_direct_apply alone (generate_parser's first step), nothing else.
+    bool prompt_only = false;
+    parser_memo * memo = nullptr;
+    bool prompt_only_used = false;  // out: the prompt-only path was taken
+    // in (benchmarks): called with the template and generation_params the autoparser path renders
+    std::function<void(const common_chat_template &, const autoparser::generation_params &)> on_generate;
 };
 class scoped_handler {
   public:

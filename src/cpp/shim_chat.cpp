@@ -7,12 +7,16 @@
 // below, so a template can take the differential autoparser path on request.
 #include "chat-auto-parser.h"
 #include "chat.h"
+#include "jinja_guard.h"
+#include "log.h"
+#include "peg-parser.h"
 #include "shim.h"
 
 #include <cstdint>
 #include <ctime>
 #include <mutex>
 #include <optional>
+#include <unordered_set>
 
 namespace llamaprompt {
 thread_local handler_state * current_handler = nullptr;
@@ -73,9 +77,103 @@ static void llamaprompt_analyze_template(autoparser::autoparser & ap, const comm
             return;
         }
     }
+    const uint64_t fired = jinja_guard_fired();
     ap.analyze_template(tmpl);  // outside the lock: analyses of different keys run in parallel
+    if (jinja_guard_fired() != fired) {
+        return;  // a budget stopped some of its renders (which the analysis catches): not reusable
+    }
     std::lock_guard<std::mutex> lock(cache->mutex);
     cache->results.emplace(key, std::make_shared<const autoparser::autoparser>(ap));
+}
+
+namespace llamaprompt {
+
+// generate_parser(tmpl, params, autoparser) reads, besides params.messages: the analysis
+// (fixed per analysis_key), the template, and these fields of params. The messages reach
+// the parser only through the generation prompt, which build_parser uses as a literal
+// prefix. So once generation with these inputs succeeded, it succeeds for other messages.
+struct parser_memo {
+    std::mutex mutex;
+    std::unordered_set<std::string> ok;
+    static constexpr size_t max_entries = 4096;  // then it starts over
+};
+
+std::shared_ptr<parser_memo> make_parser_memo() { return std::make_shared<parser_memo>(); }
+
+static std::string parser_inputs_key(const common_chat_template & tmpl, const autoparser::generation_params & p) {
+    std::string key = analysis_key(tmpl);
+    for (const std::string & part : {p.tools.dump(), p.json_schema.dump(), p.extra_context.dump(), p.grammar}) {
+        key += '\x1f';
+        key += std::to_string(part.size());
+        key += ':';
+        key += part;
+    }
+    for (int flag : {(int) p.tool_choice, (int) p.parallel_tool_calls, (int) p.reasoning_format, (int) p.stream,
+                     (int) p.add_generation_prompt, (int) p.continue_final_message, (int) p.enable_thinking,
+                     (int) p.add_bos, (int) p.add_eos, (int) p.is_inference, (int) p.add_inference,
+                     (int) p.mark_input}) {
+        key += '\x1f';
+        key += std::to_string(flag);
+    }
+    return key;
+}
+
+}  // namespace llamaprompt
+
+// replaces the call of autoparser::peg_generator::generate_parser in
+// common_chat_templates_apply_jinja
+static common_chat_params llamaprompt_generate_parser(const common_chat_template & tmpl,
+                                                      const autoparser::generation_params & params,
+                                                      const autoparser::autoparser & ap) {
+    using namespace llamaprompt;
+    handler_state * st = current_handler;
+    if (st && st->on_generate) {
+        st->on_generate(tmpl, params);
+    }
+    parser_memo * memo = st ? st->memo : nullptr;
+    std::string key;
+    // only when the prompt is exactly generate_parser's first render: no continuation
+    // (which appends to it), and the generation prompt's own render is the same call;
+    // not at debug verbosity (chat.cpp then dumps the generated parser)
+    if (memo && params.add_generation_prompt && params.continue_final_message == COMMON_CHAT_CONTINUATION_NONE &&
+        common_log_get_verbosity_thold() < LOG_LEVEL_DEBUG) {
+        try {
+            key = parser_inputs_key(tmpl, params);
+        } catch (const std::exception &) {
+            key.clear();  // not serializable: the full path decides
+        }
+    }
+    if (!key.empty() && st->prompt_only) {
+        bool known;
+        {
+            std::lock_guard<std::mutex> lock(memo->mutex);
+            known = memo->ok.count(key) > 0;
+        }
+        if (known) {
+            common_chat_params data;
+            data.prompt = common_chat_template_direct_apply(tmpl, params);
+            st->prompt_only_used = true;
+            return data;
+        }
+    }
+    common_chat_params data = autoparser::peg_generator::generate_parser(tmpl, params, ap);
+    if (!key.empty()) {
+        std::lock_guard<std::mutex> lock(memo->mutex);
+        if (memo->ok.size() >= parser_memo::max_entries) {
+            memo->ok.clear();
+        }
+        memo->ok.insert(std::move(key));
+    }
+    return data;
+}
+
+// replaces `arena.load(auto_params.parser)` (it only feeds a debug log line): there is no
+// parser to load when the prompt-only path was taken
+static void llamaprompt_load_parser(common_peg_arena & arena, const std::string & parser) {
+    if (llamaprompt::current_handler && llamaprompt::current_handler->prompt_only_used) {
+        return;
+    }
+    arena.load(parser);
 }
 
 #include "thread_safe_time.h"

@@ -2,6 +2,7 @@
 // llama-server makes with it (GET /props, POST /apply-template). JSON crosses the
 // boundary as text: common_json is not nlohmann, so Python's json does the rest.
 #include "errors.h"
+#include "jinja_guard.h"
 #include "logging.h"
 #include "model.h"
 #include "shim.h"
@@ -9,8 +10,12 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -23,6 +28,30 @@ namespace {
 // the request body, parsed as post_apply_template does (json::parse(req.body)): a
 // common_json_error is a std::runtime_error, so llama-server answers 500
 json parse_body(const std::string & text) {
+    // llama.cpp's JSON copies nest recursively: a body nested deeper than this would
+    // overflow the C++ stack (~150k levels in nlohmann's recursive copy), so it is refused
+    // first; llama-server has no such limit (it would crash)
+    constexpr int max_depth = 1000;
+    int depth = 0;
+    bool in_string = false;
+    for (size_t i = 0; i < text.size(); ++i) {
+        const char c = text[i];
+        if (in_string) {
+            if (c == '\\') {
+                ++i;
+            } else if (c == '"') {
+                in_string = false;
+            }
+        } else if (c == '"') {
+            in_string = true;
+        } else if (c == '[' || c == '{') {
+            if (++depth > max_depth) {
+                throw error(error_kind::request, 400, "request is nested too deeply");
+            }
+        } else if (c == ']' || c == '}') {
+            --depth;
+        }
+    }
     return json::parse(text);
 }
 
@@ -54,6 +83,25 @@ json chat_params_to_json(const common_chat_params & p) {
     return out;
 }
 
+// Run `fn` under a jinja_budget. An exception raised while a budget guard fired is a
+// TemplateError (500) with upstream's message, whatever upstream wrapped it in (the
+// autoparser path rethrows template failures as std::invalid_argument, a 400).
+template <typename F>
+auto budgeted(const jinja_limits & limits, F && fn) -> decltype(fn()) {
+    jinja_budget budget(limits);
+    const uint64_t fired = jinja_guard_fired();
+    try {
+        return fn();
+    } catch (const error &) {
+        throw;
+    } catch (const std::exception & e) {
+        if (jinja_guard_fired() != fired) {
+            throw error(error_kind::template_, 500, e.what());
+        }
+        throw;
+    }
+}
+
 }  // namespace
 
 class core_template {
@@ -63,10 +111,12 @@ class core_template {
     core_template(const std::string & source, const std::string & bos_token, const std::string & eos_token,
                   bool add_bos, bool add_eos, const std::vector<std::string> & server_args,
                   const std::string & media_marker, bool fetch_remote_media,
-                  const std::map<std::string, bool> & caps, bool skip_specialized, bool cache_analysis) {
+                  const std::map<std::string, bool> & caps, bool skip_specialized, bool fast_path, double timeout,
+                  size_t max_output_bytes) {
+        limits_ = {timeout, max_output_bytes};
         caps_override_ = caps;
         handler_.skip_specialized = skip_specialized;
-        set_cache(cache_analysis);
+        set_fast_path(fast_path);
         common_params params = parse_args(server_args);
         if (source.empty()) {
             // common_chat_templates_init would take the model's template (GGML_ASSERT(model))
@@ -85,10 +135,11 @@ class core_template {
     core_template(std::shared_ptr<core_model> model, const std::string & chat_template_override,
                   const std::vector<std::string> & server_args, const std::string & media_marker,
                   bool fetch_remote_media, const std::map<std::string, bool> & caps, bool skip_specialized,
-                  bool cache_analysis) {
+                  bool fast_path, double timeout, size_t max_output_bytes) {
+        limits_ = {timeout, max_output_bytes};
         caps_override_ = caps;
         handler_.skip_specialized = skip_specialized;
-        set_cache(cache_analysis);
+        set_fast_path(fast_path);
         common_params params = parse_args(server_args);
         const llama_vocab * vocab = model->vocab();
         // the BOS/EOS text GET /props reports (server-context.cpp: common_token_to_piece(ctx, id, true))
@@ -111,6 +162,8 @@ class core_template {
 
     bool enable_thinking() const { return opt_.enable_thinking; }
     bool use_jinja() const { return use_jinja_; }
+    // how many apply_template calls took the prompt-only path (tests, benchmarks)
+    uint64_t prompt_only_renders() const { return prompt_only_renders_->load(); }
     const std::map<std::string, bool> & detected_caps() const { return detected_caps_; }
 
     // the chat-template part of GET /props (get_res_props in server-context.cpp)
@@ -129,24 +182,91 @@ class core_template {
     }
 
     // POST /apply-template: the prompt
-    py::object apply_template(const std::string & body_text) const {
-        std::string prompt = call_upstream([&]() {
+    py::object apply_template(const std::string & body_text, double timeout) const {
+        return text_to_py(call_upstream([&]() { return prompt_for(body_text, timeout); }));
+    }
+
+    // apply_template for each body, on `threads` threads (the GIL released throughout);
+    // each item is the prompt (str) or the llamaprompt.errors exception it raised
+    py::list apply_template_many(const std::vector<std::string> & bodies, int threads, double timeout) const {
+        struct outcome {
+            std::string text;  // the prompt, or the error message
+            int status = 0;    // 0: a prompt; else the HTTP status (400 / 500)
+        };
+        std::vector<outcome> out(bodies.size());
+        {
+            py::gil_scoped_release nogil;
+            std::atomic<size_t> next{0};
+            auto work = [&]() {
+                for (size_t i; (i = next++) < bodies.size();) {
+                    // the same classification as call_upstream (llama-server's ex_wrapper)
+                    try {
+                        out[i].text = prompt_for(bodies[i], timeout);
+                    } catch (const error & e) {
+                        out[i] = {e.what(), e.status ? e.status : 500};
+                    } catch (const std::invalid_argument & e) {
+                        out[i] = {e.what(), 400};
+                    } catch (const std::exception & e) {
+                        out[i] = {e.what(), 500};
+                    } catch (...) {
+                        out[i] = {"unknown error", 500};
+                    }
+                }
+            };
+            const size_t n_threads = std::max<size_t>(1, std::min<size_t>(threads, bodies.size()));
+            std::vector<std::thread> pool;
+            for (size_t t = 1; t < n_threads; ++t) {
+                pool.emplace_back(work);
+            }
+            work();
+            for (auto & t : pool) {
+                t.join();
+            }
+        }
+        py::list result;
+        for (const auto & o : out) {
+            if (o.status == 0) {
+                result.append(text_to_py(o.text));
+            } else {
+                result.append(make_py_error(o.status == 400 ? error_kind::request : error_kind::template_, o.status,
+                                            o.text));
+            }
+        }
+        return result;
+    }
+
+    // benchmarks: seconds per call of common_chat_template_direct_apply with the template and
+    // generation_params this request renders with on the autoparser path (one plain execution
+    // of the template: the floor of an exact prompt); None when that path is not taken
+    py::object time_direct_apply(const std::string & body_text, int repeat) const {
+        double seconds = -1;
+        call_upstream([&]() {
             json body = parse_body(body_text);
             handler_state st = handler_;
+            st.memo = nullptr;
+            st.on_generate = [&](const common_chat_template & tmpl, const autoparser::generation_params & params) {
+                common_chat_template_direct_apply(tmpl, params);  // warm-up
+                const auto t0 = std::chrono::steady_clock::now();
+                for (int i = 0; i < repeat; ++i) {
+                    common_chat_template_direct_apply(tmpl, params);
+                }
+                const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+                seconds = dt.count() / std::max(1, repeat);
+            };
             scoped_handler in_force(st);
-            apply_result res = apply_request(std::move(body), opt_, call_);
-            return res.llama_params.at("prompt").get<std::string>();
+            apply_request(std::move(body), opt_, call_);
+            return 0;
         });
-        return text_to_py(prompt);
+        return seconds < 0 ? py::object(py::none()) : py::object(py::float_(seconds));
     }
 
     // the same call, everything it computes
-    py::object apply(const std::string & body_text) const {
+    py::object apply(const std::string & body_text, double timeout) const {
         std::string out = call_upstream([&]() {
             json body = parse_body(body_text);
             handler_state st = handler_;
             scoped_handler in_force(st);
-            apply_result res = apply_request(std::move(body), opt_, call_);
+            apply_result res = budgeted(limits(timeout), [&]() { return apply_request(std::move(body), opt_, call_); });
             json result = json::object();
             result["llama_params"] = res.llama_params;
             result["chat_params"] = chat_params_to_json(res.chat_params);
@@ -163,18 +283,44 @@ class core_template {
             json body = parse_body(body_text);
             handler_state st = handler_;
             scoped_handler in_force(st);
-            common_chat_templates_inputs inputs = request_inputs(std::move(body), opt_, call_);
-            const bool with_tools = !inputs.tools.empty();
-            return render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)).dump();
+            return budgeted(limits_, [&]() {
+                common_chat_templates_inputs inputs = request_inputs(std::move(body), opt_, call_);
+                const bool with_tools = !inputs.tools.empty();
+                return render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)).dump();
+            });
         });
         return json_text_to_py(out);
     }
 
   private:
-    void set_cache(bool on) {
+    // the prompt POST /apply-template returns (on the calling thread, GIL not needed)
+    std::string prompt_for(const std::string & body_text, double timeout) const {
+        json body = parse_body(body_text);
+        handler_state st = handler_;
+        st.prompt_only = true;
+        scoped_handler in_force(st);
+        apply_result res = budgeted(limits(timeout), [&]() { return apply_request(std::move(body), opt_, call_); });
+        if (st.prompt_only_used) {
+            prompt_only_renders_->fetch_add(1, std::memory_order_relaxed);
+        }
+        return res.llama_params.at("prompt").get<std::string>();
+    }
+
+    // the template's limits, with the time budget replaced when timeout >= 0 (0: none)
+    jinja_limits limits(double timeout) const {
+        jinja_limits l = limits_;
+        if (timeout >= 0) {
+            l.seconds = timeout;
+        }
+        return l;
+    }
+
+    void set_fast_path(bool on) {
         if (on) {
             cache_ = make_analysis_cache();
             handler_.cache = cache_.get();
+            memo_ = make_parser_memo();
+            handler_.memo = memo_.get();
         }
     }
 
@@ -200,6 +346,7 @@ class core_template {
         {
             py::gil_scoped_release nogil;
             try {
+                jinja_budget budget(limits_);  // the load-time probes render the template
                 common_chat_templates_ptr tmpls = make_templates();
                 detected_caps_ = common_chat_templates_get_caps(tmpls.get());
                 handler_state st = handler_;
@@ -235,6 +382,9 @@ class core_template {
     call_options call_;
     handler_state handler_;
     std::shared_ptr<analysis_cache> cache_;
+    std::shared_ptr<parser_memo> memo_;
+    jinja_limits limits_;
+    std::shared_ptr<std::atomic<uint64_t>> prompt_only_renders_ = std::make_shared<std::atomic<uint64_t>>(0);
     std::map<std::string, bool> caps_override_;
     std::map<std::string, bool> detected_caps_;
     std::string bos_token_;
@@ -246,22 +396,28 @@ void register_template(py::module_ & m) {
     py::class_<core_template>(m, "Template")
         .def(py::init<const std::string &, const std::string &, const std::string &, bool, bool,
                       const std::vector<std::string> &, const std::string &, bool,
-                      const std::map<std::string, bool> &, bool, bool>(),
+                      const std::map<std::string, bool> &, bool, bool, double, size_t>(),
              py::arg("source"), py::arg("bos_token"), py::arg("eos_token"), py::arg("add_bos"),
              py::arg("add_eos"), py::arg("server_args"), py::arg("media_marker"), py::arg("fetch_remote_media"),
-             py::arg("caps"), py::arg("skip_specialized"), py::arg("cache_analysis"))
+             py::arg("caps"), py::arg("skip_specialized"), py::arg("fast_path"), py::arg("timeout"),
+             py::arg("max_output_bytes"))
         .def(py::init<std::shared_ptr<core_model>, const std::string &, const std::vector<std::string> &,
-                      const std::string &, bool, const std::map<std::string, bool> &, bool, bool>(),
+                      const std::string &, bool, const std::map<std::string, bool> &, bool, bool, double, size_t>(),
              py::arg("model"), py::arg("chat_template"), py::arg("server_args"), py::arg("media_marker"),
-             py::arg("fetch_remote_media"), py::arg("caps"), py::arg("skip_specialized"), py::arg("cache_analysis"))
+             py::arg("fetch_remote_media"), py::arg("caps"), py::arg("skip_specialized"), py::arg("fast_path"),
+             py::arg("timeout"), py::arg("max_output_bytes"))
         .def("detected_caps", &core_template::detected_caps)
         .def("use_jinja", &core_template::use_jinja)
+        .def("prompt_only_renders", &core_template::prompt_only_renders)
         .def("caps", &core_template::caps)
         .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); })
         .def("enable_thinking", &core_template::enable_thinking)
         .def("props", &core_template::props)
-        .def("apply_template", &core_template::apply_template, py::arg("body"))
-        .def("apply", &core_template::apply, py::arg("body"))
+        .def("apply_template", &core_template::apply_template, py::arg("body"), py::arg("timeout") = -1.0)
+        .def("apply_template_many", &core_template::apply_template_many, py::arg("bodies"), py::arg("threads"),
+             py::arg("timeout") = -1.0)
+        .def("time_direct_apply", &core_template::time_direct_apply, py::arg("body"), py::arg("repeat"))
+        .def("apply", &core_template::apply, py::arg("body"), py::arg("timeout") = -1.0)
         .def("normalize", &core_template::normalize, py::arg("body"));
 }
 

@@ -11,6 +11,7 @@
     llamaprompt check FIXTURES.json [--mask-dates]
     llamaprompt diff REFERENCE.json OTHER.json [--format markdown|json]
     llamaprompt serve (--template FILE... | --gguf FILE...) [--host H] [--port N]
+    llamaprompt bench [--template FILE... | --pinned [NAME...]] [--server-url URL] [--json OUT] [--plot OUT.png]
 
 ``--gguf FILE`` (render, caps, props, normalize) takes the template from a model file.
 
@@ -272,6 +273,48 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=30, metavar="N", help="characters of context (default 30)")
 
     p = sub.add_parser(
+        "bench",
+        help="renders/s of apply_template vs Jinja2, llama.cpp's uncached path, llama-server and the floor",
+        description="Time apply_template for every template x request (default: every pinned template x the "
+        "default request set) side by side, in the same run, with: llama.cpp's uncached upstream path "
+        "(fast_path=False, what llama-server runs), Python Jinja2 set up as transformers' apply_chat_template "
+        "(pip install 'llamaprompt[bench]'), llama-server over HTTP (--server-url), and the floor (one plain "
+        "execution of the template in llama.cpp's Jinja engine). Prints a Markdown table of ratios per template "
+        "and their medians (docs/performance.md explains each column).",
+    )
+    g = p.add_argument_group("templates (default: every template of the pinned tree)")
+    g.add_argument("--template", "-t", nargs="+", action="extend", default=[], metavar="FILE", help="template files")
+    g.add_argument("--templates", metavar="DIR", help="every *.jinja file in DIR")
+    g.add_argument("--pinned", nargs="*", metavar="NAME", default=None, help="pinned templates by name (or all)")
+    p.add_argument(
+        "--requests", metavar="REQUESTS.json", help="JSON object name -> request body (default: the shipped set)"
+    )
+    p.add_argument("--threads", type=_positive, default=2, metavar="N", help="threads for the scaling figure (2)")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=0.02,
+        metavar="S",
+        help="seconds spent timing each template x request x peer (default 0.02)",
+    )
+    p.add_argument("--server-url", metavar="URL", help="a llama-server, http://HOST:PORT (its template is compared)")
+    p.add_argument(
+        "--llama-server",
+        nargs=2,
+        metavar=("BINARY", "MODEL.gguf"),
+        help="start this llama-server with MODEL and each template in turn, and compare every template",
+    )
+    p.add_argument("--no-jinja2", action="store_true", help="skip the Jinja2 peer")
+    p.add_argument("--no-upstream", action="store_true", help="skip llama.cpp's uncached path (the slowest peer)")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor")
+    p.add_argument(
+        "--memory", type=int, default=100, metavar="N", help="templates loaded for the memory report (0: skip)"
+    )
+    p.add_argument("--json", metavar="OUT.json", help="also write the full results as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw renders/s per template (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser(
         "serve",
         help="serve llama-server's /apply-template, /props, /tokenize ... with no model",
         description="A model-free llama-server-compatible HTTP endpoint (needs: pip install 'llamaprompt[server]'). "
@@ -416,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("fixtures", "check", "diff", "serve"):
             return _oracle(args, server_args)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "inspect":
             _print_json(gguf_metadata(args.file, max_array_items=args.max_array_items))
             return 0
@@ -491,6 +536,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, UnicodeError, KeyError) as e:
         print(f"llamaprompt: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    paths = [Path(p) for p in args.template]
+    if args.templates:
+        paths += sorted(Path(args.templates).glob("*.jinja"))
+    if args.pinned:
+        paths += [pinned_template(n) for n in args.pinned]
+    if not paths:
+        paths = pinned_templates()
+    requests = None if args.requests is None else _read_json(args.requests)
+    if requests is not None and not isinstance(requests, dict):
+        raise RequestError(f"{args.requests}: must be a JSON object name -> request body")
+    peers = {"upstream", "jinja2", "server", "floor"}
+    for flag, peer in ((args.no_jinja2, "jinja2"), (args.no_upstream, "upstream"), (args.no_floor, "floor")):
+        if flag:
+            peers.discard(peer)
+    try:
+        report = bench.run_bench(
+            paths,
+            requests,
+            threads=args.threads,
+            min_time=args.min_time,
+            peers=peers,
+            server_url=args.server_url,
+            llama_server=tuple(args.llama_server) if args.llama_server else None,
+            memory=args.memory,
+            progress=False if args.no_progress else None,
+        )
+    except ImportError as e:
+        print(f"llamaprompt: {e}; install the benchmark extra: pip install 'llamaprompt[bench]'", file=sys.stderr)
+        return 2
+    sys.stdout.write(bench.format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        try:
+            bench.plot_report(report, args.plot)
+        except ImportError as e:
+            print(f"llamaprompt: {e}; install the benchmark extra: pip install 'llamaprompt[bench]'", file=sys.stderr)
+            return 2
     return 0
 
 

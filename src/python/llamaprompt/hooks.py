@@ -105,6 +105,8 @@ def registered_hooks() -> list[tuple[Any, Match]]:
 
 def hooks_for(template: ChatTemplate, own: tuple[Any, ...]) -> list[Any]:
     """The hooks that apply to one call: the template's own, then matching registered ones."""
+    if not _registry:  # the common case, without taking the lock
+        return list(own)
     with _lock:
         entries = list(_registry)
     return list(own) + [e.hook for e in entries if e.matches(template)]

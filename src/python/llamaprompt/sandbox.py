@@ -226,6 +226,10 @@ class UntrustedTemplate:
     def _init(self, build: tuple, timeout: float, max_output_bytes: int, max_memory_bytes: int | None) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
+        # the worker's ChatTemplate stops cooperatively at the same budgets (no restart);
+        # killing the worker is the backstop for what cannot be interrupted
+        kind, args, options = build
+        build = (kind, args, {"timeout": float(timeout), "max_output_bytes": int(max_output_bytes), **options})
         self._build = build
         self._timeout = float(timeout)
         self._max_output = int(max_output_bytes)
@@ -301,7 +305,8 @@ class UntrustedTemplate:
             except (OSError, EOFError, BrokenPipeError):
                 self._kill()
                 raise TemplateError("the sandbox worker is gone", 500) from None
-            return self._receive(self._timeout)
+            # the worker's own budget answers at self._timeout; the kill is the backstop
+            return self._receive(self._timeout + max(1.0, self._timeout / 4))
 
     def close(self) -> None:
         """Stop the worker (it is also stopped when the object is collected)."""

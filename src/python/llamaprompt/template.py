@@ -106,19 +106,35 @@ def _before(request: Request, hooks: list[Any]) -> Request:
     return body
 
 
+#: Default wall-time budget (seconds) of one template execution in-process.
+DEFAULT_TIMEOUT = 10.0
+#: Default size budget (bytes) of one string repetition (``s * n``) in a template.
+DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024 * 1024
+
+
+def _limits(timeout: float | None, max_output_bytes: int | None) -> tuple[float, int]:
+    """The core's (seconds, bytes); 0 means no limit."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    if max_output_bytes is not None and (
+        isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes <= 0
+    ):
+        raise ValueError(f"max_output_bytes must be a positive int or None, not {max_output_bytes!r}")
+    return (0.0 if timeout is None else float(timeout)), (0 if max_output_bytes is None else max_output_bytes)
+
+
+def _call_timeout(timeout: float | None) -> float:
+    """A per-call timeout for the core: -1 keeps the template's."""
+    if timeout is None:
+        return -1.0
+    return _limits(timeout, None)[0]
+
+
 def _body(request: Request) -> bytes:
     if isinstance(request, (str, bytes)):
-        body = _utf8(request)
-        # llama.cpp's JSON copies nest recursively: a body nested deeper than Python's own
-        # parser allows would overflow the C++ stack, so it is refused here; any other
-        # problem with the text is left to llama.cpp (its message, its status)
-        try:
-            json.loads(body)
-        except RecursionError:
-            raise RequestError("request is nested too deeply", 400) from None
-        except ValueError:
-            pass
-        return body
+        # the text goes to llama.cpp as it is (its parser, its messages); _core refuses
+        # bodies nested more than 1000 levels deep before parsing them
+        return _utf8(request)
     if not isinstance(request, Mapping):
         raise TypeError(f"request must be a mapping or JSON text, not {type(request).__name__}")
     try:
@@ -162,11 +178,30 @@ class ChatTemplate:
             ``"pure_content"`` (llama-server's ``--skip-chat-parsing`` force-pure-content mode).
         hooks: objects with ``before_request(request)`` and/or ``after_params(params)``
             (see :mod:`llamaprompt.hooks`); they run before the registered ones.
-        cache_analysis: reuse llama.cpp's per-template differential analysis
-            (``autoparser::analyze_template``, which depends only on the template) across
-            requests instead of repeating it on every call as llama-server does. Outputs are
-            identical (the test suite proves it for every reference case); ``False`` runs the
-            unmodified upstream sequence on every call.
+        fast_path: reuse work that does not depend on the messages across requests, where
+            llama-server repeats it on every call. (1) llama.cpp's per-template differential
+            analysis (``autoparser::analyze_template``, which depends only on the template).
+            (2) For :meth:`apply_template` (which needs only the prompt): once a request
+            with the same parser inputs (tools, tool_choice, response format, reasoning
+            format, chat_template_kwargs, ... -- everything ``generate_parser`` reads except
+            the messages) generated its parser and grammar without error, the prompt comes
+            from ``common_chat_template_direct_apply`` alone, the first step of
+            ``generate_parser``. Outputs and errors are identical (the test suite proves it
+            for every reference case; docs/performance.md gives the argument and its two
+            theoretical limits); ``False`` runs the unmodified upstream sequence on every
+            call.
+        timeout: wall-time budget in seconds of the template executions of one call
+            (loading included); ``None``: none. llama.cpp's Jinja engine has no limit;
+            llamaprompt checks the clock every few hundred execution steps and in ``range()``,
+            and raises TemplateError when it has passed. Also on by default: a template
+            that recurses until half of the thread's stack is used raises TemplateError
+            instead of crashing the process. A single huge built-in operation is not
+            interruptible: for untrusted templates use :class:`llamaprompt.sandbox.UntrustedTemplate`
+            (a worker process with memory and time limits).
+        max_output_bytes: the largest value (in bytes, counting llama.cpp's per-part and
+            per-element overhead) that one string repetition (``'x' * n``), string
+            concatenation (``a ~ b``) or ``range(n)`` in the template may build; ``None``: no
+            limit. Exceeding it raises TemplateError.
 
     Raises:
         TemplateError: the template cannot be parsed (llama-server would not start),
@@ -192,7 +227,9 @@ class ChatTemplate:
         caps: Mapping[str, bool] | None = None,
         handler: str = "auto",
         hooks: Sequence[Any] = (),
-        cache_analysis: bool = True,
+        fast_path: bool = True,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> None:
         if not isinstance(source, (str, bytes)):
             raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
@@ -201,6 +238,7 @@ class ChatTemplate:
                 raise TypeError(f"{name} must be a str, not {type(value).__name__}")
         args = _server_args(server_args, handler)
         forced = _check_caps(caps)
+        seconds, max_bytes = _limits(timeout, max_output_bytes)
         self._setup(
             source=source,
             gguf_path=None,
@@ -216,7 +254,9 @@ class ChatTemplate:
                 "caps": forced,
                 "handler": handler,
                 "hooks": tuple(hooks),
-                "cache_analysis": bool(cache_analysis),
+                "fast_path": bool(fast_path),
+                "timeout": timeout,
+                "max_output_bytes": max_output_bytes,
             },
             core=lambda: _core.Template(
                 _utf8(source),
@@ -229,7 +269,9 @@ class ChatTemplate:
                 bool(fetch_remote_media),
                 forced,
                 handler == "autoparser",
-                bool(cache_analysis),
+                bool(fast_path),
+                seconds,
+                max_bytes,
             ),
         )
 
@@ -258,7 +300,9 @@ class ChatTemplate:
         caps: Mapping[str, bool] | None = None,
         handler: str = "auto",
         hooks: Sequence[Any] = (),
-        cache_analysis: bool = True,
+        fast_path: bool = True,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> ChatTemplate:
         """Load a model's chat template as ``llama-server -m PATH`` does, with no weights.
 
@@ -284,6 +328,7 @@ class ChatTemplate:
         """
         args = _server_args(server_args, handler)
         forced = _check_caps(caps)
+        seconds, max_bytes = _limits(timeout, max_output_bytes)
         fspath = _path(path)
         if not isinstance(media_marker, str):
             raise TypeError(f"media_marker must be a str, not {type(media_marker).__name__}")
@@ -303,7 +348,9 @@ class ChatTemplate:
                 "caps": forced,
                 "handler": handler,
                 "hooks": tuple(hooks),
-                "cache_analysis": bool(cache_analysis),
+                "fast_path": bool(fast_path),
+                "timeout": timeout,
+                "max_output_bytes": max_output_bytes,
                 "add_bos": bool(model.add_bos),
                 "add_eos": bool(model.add_eos),
             },
@@ -315,7 +362,9 @@ class ChatTemplate:
                 bool(fetch_remote_media),
                 forced,
                 handler == "autoparser",
-                bool(cache_analysis),
+                bool(fast_path),
+                seconds,
+                max_bytes,
             ),
         )
         props = self._core.props()
@@ -498,31 +547,96 @@ class ChatTemplate:
 
     # -- requests -----------------------------------------------------------------------
 
-    def apply_template(self, request: Request) -> str:
+    def apply_template(self, request: Request, *, timeout: float | None = None) -> str:
         """The prompt POST /apply-template returns for this request body.
 
         Args:
             request: an OpenAI chat request body (``messages``, ``tools``, ``tool_choice``,
                 ``chat_template_kwargs``, ``reasoning_effort``, ``add_generation_prompt``,
                 ``continue_final_message``, ``response_format`` ...) as a mapping or JSON text.
-                Image, audio and video parts become the media marker.
+                Image, audio and video parts become the media marker. Text nested more than
+                1000 levels deep is refused (RequestError).
+            timeout: this call's time budget in seconds (default: the template's).
 
         Returns:
             The prompt (str). Bytes that are not valid UTF-8 are kept as surrogate escapes.
 
         Raises:
             RequestError: llama-server would answer 400.
-            TemplateError: llama-server would answer 500 (e.g. the template raised).
+            TemplateError: llama-server would answer 500 (e.g. the template raised), or the
+                template execution exceeded a budget (time, stack, output size).
         """
         hooks = hooks_for(self, self._options["hooks"])
+        seconds = _call_timeout(timeout)
         if not hooks:
-            return self._core.apply_template(_body(request))
+            return self._core.apply_template(_body(request), seconds)
         if any(hasattr(h, "after_params") for h in hooks):
-            return self._apply_hooked(request, hooks).prompt
-        return self._core.apply_template(_body(_before(request, hooks)))
+            return self._apply_hooked(request, hooks, seconds).prompt
+        return self._core.apply_template(_body(_before(request, hooks)), seconds)
 
-    def _apply_hooked(self, request: Request, hooks: list[Any]) -> ChatParams:
-        params = ChatParams._from_core(self._core.apply(_body(_before(request, hooks))), self)
+    def apply_template_many(
+        self,
+        requests: Iterable[Request],
+        *,
+        threads: int = 1,
+        return_exceptions: bool = False,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """:meth:`apply_template` for many requests, rendered on ``threads`` C++ threads.
+
+        The requests are serialized first (in this thread); then the GIL is released once
+        for the whole batch and the renders run in parallel inside llama.cpp. With hooks,
+        the requests go through :meth:`apply_template` on a Python thread pool instead.
+
+        Args:
+            requests: request bodies, as for :meth:`apply_template`.
+            threads: how many threads render (>= 1).
+            return_exceptions: put each failed request's exception (a
+                :class:`~llamaprompt.Error`) in its place in the list instead of raising
+                the first one (the choice ``asyncio.gather`` offers).
+
+        Returns:
+            list of prompts (str), in request order (and exceptions, see above).
+
+        Raises:
+            ValueError: ``threads`` < 1.
+            RequestError / TemplateError: the first failed request's error (unless
+                ``return_exceptions``).
+
+        ``timeout`` is each request's budget, as for :meth:`apply_template`.
+        """
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+        items = list(requests)
+        if hooks_for(self, self._options["hooks"]):
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(request: Request) -> Any:
+                try:
+                    return self.apply_template(request, timeout=timeout)
+                except Error as e:
+                    return e
+
+            with ThreadPoolExecutor(threads) as pool:
+                results = list(pool.map(one, items))
+        else:
+            bodies: list[Any] = []
+            for request in items:
+                try:
+                    bodies.append(_body(request))
+                except Error as e:
+                    bodies.append(e)
+            to_render = [b for b in bodies if not isinstance(b, Error)]
+            rendered = iter(self._core.apply_template_many(to_render, threads, _call_timeout(timeout)))
+            results = [b if isinstance(b, Error) else next(rendered) for b in bodies]
+        if not return_exceptions:
+            for r in results:
+                if isinstance(r, Error):
+                    raise r
+        return results
+
+    def _apply_hooked(self, request: Request, hooks: list[Any], seconds: float = -1.0) -> ChatParams:
+        params = ChatParams._from_core(self._core.apply(_body(_before(request, hooks)), seconds), self)
         for hook in hooks:
             after = getattr(hook, "after_params", None)
             if after is not None:
@@ -531,16 +645,18 @@ class ChatTemplate:
                     raise TypeError(f"{type(hook).__name__}.after_params must return the ChatParams")
         return params
 
-    def apply(self, request: Request) -> ChatParams:
+    def apply(self, request: Request, *, timeout: float | None = None) -> ChatParams:
         """Everything the same call computes (``common_chat_params``): prompt, chat format,
         grammar, triggers, preserved tokens, stops, generation prompt, thinking tags, parser.
 
-        Raises the same errors as :meth:`apply_template`.
+        ``timeout`` as for :meth:`apply_template`. Raises the same errors as
+        :meth:`apply_template`.
         """
         hooks = hooks_for(self, self._options["hooks"])
+        seconds = _call_timeout(timeout)
         if hooks:
-            return self._apply_hooked(request, hooks)
-        return ChatParams._from_core(self._core.apply(_body(request)), self)
+            return self._apply_hooked(request, hooks, seconds)
+        return ChatParams._from_core(self._core.apply(_body(request), seconds), self)
 
     def normalize(
         self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
@@ -647,7 +763,10 @@ class ChatTemplate:
     # -- pickling: rebuilt from its source (or GGUF path) and options in the other process
 
     def __reduce__(self):
-        keys = ("server_args", "media_marker", "fetch_remote_media", "caps", "handler", "hooks", "cache_analysis")
+        keys = (
+            "server_args", "media_marker", "fetch_remote_media", "caps", "handler", "hooks", "fast_path", "timeout",
+            "max_output_bytes",
+        )
         opts = {k: self._options[k] for k in keys}
         if self._gguf_path is not None:
             return (_from_gguf, (self._gguf_path, self._input_source, opts))

@@ -1,0 +1,107 @@
+#include "jinja_guard.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#if defined(__linux__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
+
+namespace llamaprompt {
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+thread_local clock::time_point deadline = clock::time_point::max();
+thread_local double budget_seconds = 0;
+thread_local size_t max_bytes = 0;
+thread_local uint32_t steps = 0;
+thread_local uint64_t fired = 0;
+thread_local uintptr_t stack_floor = 1;  // 1: not computed yet; 0: unknown (no check)
+
+// the lowest stack address execution may reach: half of this thread's stack stays in reserve
+uintptr_t compute_stack_floor() {
+#if defined(__linux__)
+    pthread_attr_t attr;
+    if (pthread_getattr_np(pthread_self(), &attr) != 0) {
+        return 0;
+    }
+    void * addr = nullptr;
+    size_t size = 0;
+    const int rc = pthread_attr_getstack(&attr, &addr, &size);
+    pthread_attr_destroy(&attr);
+    return rc == 0 && size > 0 ? reinterpret_cast<uintptr_t>(addr) + size / 2 : 0;
+#elif defined(__APPLE__)
+    const uintptr_t top = reinterpret_cast<uintptr_t>(pthread_get_stackaddr_np(pthread_self()));
+    const size_t size = pthread_get_stacksize_np(pthread_self());
+    return top - size / 2;
+#else
+    return 0;
+#endif
+}
+
+[[noreturn]] void fire(const std::string & what) {
+    ++fired;
+    throw std::runtime_error(what);
+}
+
+void check_time() {
+    if (clock::now() > deadline) {
+        char buf[64];
+        snprintf(buf, sizeof(buf), "%g", budget_seconds);
+        fire(std::string("template execution exceeded the time budget (") + buf + " s)");
+    }
+}
+
+}  // namespace
+
+jinja_budget::jinja_budget(const jinja_limits & limits)
+    : prev_deadline_(deadline), prev_max_bytes_(max_bytes), prev_seconds_(budget_seconds) {
+    budget_seconds = limits.seconds;
+    deadline = limits.seconds > 0
+                   ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(limits.seconds))
+                   : clock::time_point::max();
+    max_bytes = limits.max_bytes;
+}
+
+jinja_budget::~jinja_budget() {
+    deadline = prev_deadline_;
+    max_bytes = prev_max_bytes_;
+    budget_seconds = prev_seconds_;
+}
+
+uint64_t jinja_guard_fired() { return fired; }
+
+void jinja_guard_step() {
+    if (stack_floor == 1) {
+        stack_floor = compute_stack_floor();
+    }
+    char probe;
+    if (stack_floor != 0 && reinterpret_cast<uintptr_t>(&probe) < stack_floor) {
+        fire("template execution nested too deeply (half of the thread's stack used)");
+    }
+    if ((++steps & 255) == 0) {
+        check_time();
+    }
+}
+
+void jinja_guard_tick() {
+    if ((++steps & 4095) == 0) {
+        check_time();
+    }
+}
+
+void jinja_guard_size(size_t bytes, size_t parts) {
+    // a part costs ~40 bytes of memory besides its text: count it as 32
+    const size_t cost = (bytes > SIZE_MAX / 2 || parts > SIZE_MAX / 64) ? SIZE_MAX : bytes + parts * 32;
+    if (max_bytes != 0 && cost > max_bytes) {
+        fire("template execution exceeded the size budget (a value of " + std::to_string(bytes) + " bytes in " +
+             std::to_string(parts) + " parts > " + std::to_string(max_bytes) + " bytes)");
+    }
+    check_time();  // string building can be slow without many steps between clock checks
+}
+
+}  // namespace llamaprompt

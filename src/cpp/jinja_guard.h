@@ -1,0 +1,55 @@
+// Limits on one template execution in llama.cpp's Jinja engine, which has none: a
+// recursive macro overflows the C++ stack (the process dies) and a long loop runs for as
+// long as it runs. Three upstream call sites are compiled from build-tree copies that
+// call jinja_guard_* here (see CMakeLists.txt): statement::execute (every statement and
+// expression), range() (each element), string repetition `s * n` and concatenation
+// `a ~ b` / `a + b`.
+//
+// A guard that fires throws std::runtime_error, which llama.cpp's own handling turns into
+// the error of the call (a TemplateError, 500). Limits are per thread, set by a
+// jinja_budget for the duration of one llamaprompt call:
+// - stack: execution stops when the thread has used half of its stack;
+// - time: execution stops once `seconds` have passed (checked every few hundred steps);
+// - size: a string repetition or concatenation, or a range(), may not build a value of
+//   more than `max_bytes`.
+// Output that many statements emit is bounded only by the time budget; memory is bounded
+// only in a worker process (UntrustedTemplate, RLIMIT_AS).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+namespace llamaprompt {
+
+struct jinja_limits {
+    double seconds = 10.0;              // <= 0: no time limit
+    size_t max_bytes = size_t(64) << 20;  // 0: no size limit
+};
+
+class jinja_budget {
+  public:
+    explicit jinja_budget(const jinja_limits & limits);
+    ~jinja_budget();
+    jinja_budget(const jinja_budget &) = delete;
+    jinja_budget & operator=(const jinja_budget &) = delete;
+
+  private:
+    std::chrono::steady_clock::time_point prev_deadline_;
+    size_t prev_max_bytes_;
+    double prev_seconds_;
+};
+
+// how many times a guard fired on this thread (so far); results computed while one fired
+// (e.g. a cached template analysis, whose renders llama.cpp try/catches) are not reused
+uint64_t jinja_guard_fired();
+
+// statement::execute: stack and time
+void jinja_guard_step();
+// range(): time (each element; the size of the list is checked with jinja_guard_size)
+void jinja_guard_tick();
+// `s * n`, `a ~ b`: time, and the size the result would reach (its bytes, and its
+// parts -- llama.cpp's strings are lists of parts of ~40 bytes each plus their text)
+void jinja_guard_size(size_t bytes, size_t parts);
+
+}  // namespace llamaprompt

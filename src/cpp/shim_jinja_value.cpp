@@ -1,0 +1,23 @@
+// common/jinja/value.cpp (llama.cpp's Jinja values and built-in functions), compiled from
+// the build tree's copy (see CMakeLists.txt) in which range() pushes each element through
+// llamaprompt_range_push (the time guard, jinja_guard.h), with `localtime` made thread-safe
+// for strftime_now (thread_safe_time.h). The archive's copy of this object is then never
+// linked.
+#include "jinja/value.h"
+#include "jinja_guard.h"
+
+// each element: the time guard, and every 4096 elements the size guard (an element costs
+// ~48 bytes: its shared_ptr and the value)
+template <typename Array>
+static void llamaprompt_range_push(Array & out, int64_t i) {
+    const size_t n = out->val_arr.size();
+    if ((n & 4095) == 4095) {
+        llamaprompt::jinja_guard_size(n * 48, 0);
+    }
+    llamaprompt::jinja_guard_tick();
+    out->push_back(jinja::mk_val<jinja::value_int>(i));
+}
+
+#include "thread_safe_time.h"
+#include "jinja-value.cpp"  // the generated copy
+#undef localtime

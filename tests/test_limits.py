@@ -1,0 +1,128 @@
+"""In-process limits on template execution (src/cpp/jinja_guard.h): llama.cpp's Jinja
+engine has none, so a recursive macro would overflow the C++ stack and kill the process,
+a loop would run unbounded. Each case must raise TemplateError, and the process (and the
+template, for request-dependent cases) must stay usable."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+import llamaprompt
+from conftest import template_path
+from llamaprompt.samples import SAMPLE_REQUEST
+
+HI = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _on(content: str) -> dict:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+# renders the user's text, but misbehaves on one magic message (so loading succeeds)
+def _trap(body: str) -> str:
+    return (
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}"
+        "{% if messages[0]['content'] == 'trap' %}" + body + "{% endif %}{{ messages[0]['content'] }}"
+    )
+
+
+def test_unbounded_recursion_raises_instead_of_crashing():
+    with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
+        llamaprompt.ChatTemplate("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+
+
+def test_recursion_in_a_request_path_then_the_template_still_works():
+    t = llamaprompt.ChatTemplate(_trap("{{ f(0) }}"))
+    with pytest.raises(llamaprompt.TemplateError, match="nested too deeply") as e:
+        t.apply_template(_on("trap"))
+    assert e.value.status == 500
+    assert t.apply_template(HI) == "hi"
+
+
+def test_bounded_recursion_is_untouched():
+    src = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(500) }}{{ messages[0].content }}"
+    assert llamaprompt.ChatTemplate(src).apply_template(HI) == "hi"
+
+
+def test_recursion_on_other_threads():
+    t = llamaprompt.ChatTemplate(_trap("{{ f(0) }}"))
+    errors = []
+
+    def work():
+        try:
+            t.apply_template(_on("trap"))
+        except llamaprompt.TemplateError as e:
+            errors.append(e.message)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(errors) == 2 and all("nested too deeply" in m for m in errors)
+    got = t.apply_template_many([_on("trap"), HI, _on("trap")], threads=2, return_exceptions=True)
+    assert isinstance(got[0], llamaprompt.TemplateError) and got[1] == "hi" and isinstance(got[2], Exception)
+
+
+def test_time_budget_per_call_and_per_template():
+    loop = "{% for i in range(1000000) %}{% for j in range(1000000) %}{{ '' }}{% endfor %}{% endfor %}"
+    t = llamaprompt.ChatTemplate(_trap(loop))
+    t0 = time.monotonic()
+    with pytest.raises(llamaprompt.TemplateError, match=r"time budget \(0.5 s\)"):
+        t.apply_template(_on("trap"), timeout=0.5)
+    assert time.monotonic() - t0 < 30  # stopped (the loop alone would take hours)
+    assert t.apply_template(HI) == "hi"
+    short = llamaprompt.ChatTemplate(_trap(loop), timeout=0.3)
+    with pytest.raises(llamaprompt.TemplateError, match=r"time budget \(0.3 s\)"):
+        short.apply(_on("trap"))
+    # range() alone (no statement in the loop body) is checked too: its size first ...
+    ranged = "{% for i in range(4000000000) %}{% endfor %}"
+    with pytest.raises(llamaprompt.TemplateError, match="size budget"):
+        llamaprompt.ChatTemplate(_trap(ranged)).apply_template(_on("trap"))
+    # ... and its time without a size limit
+    unsized = llamaprompt.ChatTemplate(_trap(ranged), max_output_bytes=None)
+    with pytest.raises(llamaprompt.TemplateError, match="time budget"):
+        unsized.apply_template(_on("trap"), timeout=0.05)
+
+
+def test_output_budget():
+    t = llamaprompt.ChatTemplate(_trap("{{ 'x' * 1000000000000 }}"))
+    with pytest.raises(llamaprompt.TemplateError, match="size budget"):
+        t.apply_template(_on("trap"))
+    doubling = "{% set s = namespace(v='x') %}{% for i in range(64) %}{% set s.v = s.v ~ s.v %}{% endfor %}"
+    with pytest.raises(llamaprompt.TemplateError, match="budget"):
+        llamaprompt.ChatTemplate(_trap(doubling)).apply_template(_on("trap"))
+    # 1200 bytes in 600 parts > 1000: refused at load (the load-time probes render it)
+    with pytest.raises(llamaprompt.TemplateError, match="size budget") as e:
+        llamaprompt.ChatTemplate("{{ 'ab' * 600 }}", max_output_bytes=1000)
+    assert e.value.status is None
+    tight = llamaprompt.ChatTemplate(_trap("{{ 'ab' * 600 }}"), max_output_bytes=1000)
+    with pytest.raises(llamaprompt.TemplateError, match="size budget"):
+        tight.apply_template(_on("trap"))
+    assert llamaprompt.ChatTemplate("{{ 'ab' * 600 }}", max_output_bytes=None).apply_template(HI) == "ab" * 600
+
+
+def test_budget_hit_during_analysis_is_not_cached():
+    # a budget that fires while llama.cpp analyses the template (its renders are caught
+    # there) must not leave a cached analysis behind: later calls equal the upstream path
+    fast = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    with pytest.raises(llamaprompt.TemplateError, match="time budget"):
+        fast.apply(SAMPLE_REQUEST, timeout=1e-9)
+    upstream = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), fast_path=False)
+
+    def fields(p):
+        return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "_origin"}
+
+    assert fields(fast.apply(SAMPLE_REQUEST)) == fields(upstream.apply(SAMPLE_REQUEST))
+
+
+@pytest.mark.parametrize("bad", [0, -1, "10", True])
+def test_bad_limits(bad):
+    with pytest.raises(ValueError):
+        llamaprompt.ChatTemplate("{{ 1 }}", timeout=bad)
+    with pytest.raises(ValueError):
+        llamaprompt.ChatTemplate("{{ 1 }}", max_output_bytes=bad)
