@@ -6,6 +6,7 @@ template, for request-dependent cases) must stay usable."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 
@@ -126,3 +127,19 @@ def test_bad_limits(bad):
         llamaprompt.ChatTemplate("{{ 1 }}", timeout=bad)
     with pytest.raises(ValueError):
         llamaprompt.ChatTemplate("{{ 1 }}", max_output_bytes=bad)
+
+
+def test_max_tools():
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(3)]
+    req = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    src = template_path("Qwen-Qwen3-0.6B.jinja")
+    with pytest.raises(llamaprompt.RequestError, match=r"3 tools, more than max_tools \(2\)") as e:
+        llamaprompt.ChatTemplate.from_file(src, max_tools=2).apply_template(req)
+    assert e.value.status == 400
+    # the same as text, and through apply()
+    with pytest.raises(llamaprompt.RequestError, match="max_tools"):
+        llamaprompt.ChatTemplate.from_file(src, max_tools=2).apply(json.dumps(req))
+    assert "f2" in llamaprompt.ChatTemplate.from_file(src, max_tools=None).apply_template(req)
+    assert "f2" in llamaprompt.ChatTemplate.from_file(src).apply_template(req)  # default 4096
+    with pytest.raises(ValueError):
+        llamaprompt.ChatTemplate.from_file(src, max_tools=0)

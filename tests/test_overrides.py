@@ -248,3 +248,10 @@ def test_cli_overrides():
     assert proc.returncode == 0 and json.loads(proc.stdout)["autoparser"] is True
     proc = subprocess.run([*cli, "caps", "--caps", '{"nope": true}'], capture_output=True)
     assert proc.returncode == 2 and b"unknown caps keys" in proc.stderr
+
+
+def test_describe_reports_the_flag_pure_content_adds():
+    path = llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")
+    d = llamaprompt.ChatTemplate.from_file(path, handler="pure_content", server_args=["--reasoning", "off"]).describe()
+    assert d["server_args"][:2] == ["--reasoning", "off"] and "--skip-chat-parsing" in d["server_args"]
+    assert "--skip-chat-parsing" not in llamaprompt.ChatTemplate.from_file(path).describe()["server_args"]

@@ -27,7 +27,7 @@ namespace {
 
 // the request body, parsed as post_apply_template does (json::parse(req.body)): a
 // common_json_error is a std::runtime_error, so llama-server answers 500
-json parse_body(const std::string & text) {
+json parse_body(const std::string & text, size_t max_tools) {
     // llama.cpp's JSON copies nest recursively: a body nested deeper than this would
     // overflow the C++ stack (~150k levels in nlohmann's recursive copy), so it is refused
     // first; llama-server has no such limit (it would crash)
@@ -52,7 +52,16 @@ json parse_body(const std::string & text) {
             --depth;
         }
     }
-    return json::parse(text);
+    json body = json::parse(text);
+    // llama.cpp's parser and grammar generation grow faster than linearly with the number of
+    // tools (5000 tools: ~7 s and 1.5 GB; 10^5 exhaust memory): refused above the limit
+    if (max_tools && body.is_object() && body.contains("tools") && body.at("tools").is_array() &&
+        body.at("tools").size() > max_tools) {
+        throw error(error_kind::request, 400,
+                    "the request has " + std::to_string(body.at("tools").size()) + " tools, more than max_tools (" +
+                        std::to_string(max_tools) + ")");
+    }
+    return body;
 }
 
 json trigger_to_json(const common_grammar_trigger & t) {
@@ -112,8 +121,9 @@ class core_template {
                   bool add_bos, bool add_eos, const std::vector<std::string> & server_args,
                   const std::string & media_marker, bool fetch_remote_media,
                   const std::map<std::string, bool> & caps, bool skip_specialized, bool fast_path, double timeout,
-                  size_t max_output_bytes) {
+                  size_t max_output_bytes, size_t max_tools) {
         limits_ = {timeout, max_output_bytes};
+        max_tools_ = max_tools;
         caps_override_ = caps;
         handler_.skip_specialized = skip_specialized;
         set_fast_path(fast_path);
@@ -135,8 +145,9 @@ class core_template {
     core_template(std::shared_ptr<core_model> model, const std::string & chat_template_override,
                   const std::vector<std::string> & server_args, const std::string & media_marker,
                   bool fetch_remote_media, const std::map<std::string, bool> & caps, bool skip_specialized,
-                  bool fast_path, double timeout, size_t max_output_bytes) {
+                  bool fast_path, double timeout, size_t max_output_bytes, size_t max_tools) {
         limits_ = {timeout, max_output_bytes};
+        max_tools_ = max_tools;
         caps_override_ = caps;
         handler_.skip_specialized = skip_specialized;
         set_fast_path(fast_path);
@@ -241,7 +252,7 @@ class core_template {
     py::object time_direct_apply(const std::string & body_text, int repeat) const {
         double seconds = -1;
         call_upstream([&]() {
-            json body = parse_body(body_text);
+            json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
             st.memo = nullptr;
             st.on_generate = [&](const common_chat_template & tmpl, const autoparser::generation_params & params) {
@@ -263,7 +274,7 @@ class core_template {
     // the same call, everything it computes
     py::object apply(const std::string & body_text, double timeout) const {
         std::string out = call_upstream([&]() {
-            json body = parse_body(body_text);
+            json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
             scoped_handler in_force(st);
             apply_result res = budgeted(limits(timeout), [&]() { return apply_request(std::move(body), opt_, call_); });
@@ -280,7 +291,7 @@ class core_template {
     // what the template receives as `messages` for this request's messages
     py::object normalize(const std::string & body_text) const {
         std::string out = call_upstream([&]() {
-            json body = parse_body(body_text);
+            json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
             scoped_handler in_force(st);
             return budgeted(limits_, [&]() {
@@ -295,7 +306,7 @@ class core_template {
   private:
     // the prompt POST /apply-template returns (on the calling thread, GIL not needed)
     std::string prompt_for(const std::string & body_text, double timeout) const {
-        json body = parse_body(body_text);
+        json body = parse_body(body_text, max_tools_);
         handler_state st = handler_;
         st.prompt_only = true;
         scoped_handler in_force(st);
@@ -384,6 +395,7 @@ class core_template {
     std::shared_ptr<analysis_cache> cache_;
     std::shared_ptr<parser_memo> memo_;
     jinja_limits limits_;
+    size_t max_tools_ = 0;
     std::shared_ptr<std::atomic<uint64_t>> prompt_only_renders_ = std::make_shared<std::atomic<uint64_t>>(0);
     std::map<std::string, bool> caps_override_;
     std::map<std::string, bool> detected_caps_;
@@ -396,16 +408,16 @@ void register_template(py::module_ & m) {
     py::class_<core_template>(m, "Template")
         .def(py::init<const std::string &, const std::string &, const std::string &, bool, bool,
                       const std::vector<std::string> &, const std::string &, bool,
-                      const std::map<std::string, bool> &, bool, bool, double, size_t>(),
+                      const std::map<std::string, bool> &, bool, bool, double, size_t, size_t>(),
              py::arg("source"), py::arg("bos_token"), py::arg("eos_token"), py::arg("add_bos"),
              py::arg("add_eos"), py::arg("server_args"), py::arg("media_marker"), py::arg("fetch_remote_media"),
              py::arg("caps"), py::arg("skip_specialized"), py::arg("fast_path"), py::arg("timeout"),
-             py::arg("max_output_bytes"))
+             py::arg("max_output_bytes"), py::arg("max_tools"))
         .def(py::init<std::shared_ptr<core_model>, const std::string &, const std::vector<std::string> &,
-                      const std::string &, bool, const std::map<std::string, bool> &, bool, bool, double, size_t>(),
+                      const std::string &, bool, const std::map<std::string, bool> &, bool, bool, double, size_t, size_t>(),
              py::arg("model"), py::arg("chat_template"), py::arg("server_args"), py::arg("media_marker"),
              py::arg("fetch_remote_media"), py::arg("caps"), py::arg("skip_specialized"), py::arg("fast_path"),
-             py::arg("timeout"), py::arg("max_output_bytes"))
+             py::arg("timeout"), py::arg("max_output_bytes"), py::arg("max_tools"))
         .def("detected_caps", &core_template::detected_caps)
         .def("use_jinja", &core_template::use_jinja)
         .def("prompt_only_renders", &core_template::prompt_only_renders)

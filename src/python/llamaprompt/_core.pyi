@@ -21,6 +21,7 @@ class Template:
         fast_path: bool,
         timeout: float,
         max_output_bytes: int,
+        max_tools: int,
     ) -> None: ...
     @overload
     def __init__(
@@ -35,6 +36,7 @@ class Template:
         fast_path: bool,
         timeout: float,
         max_output_bytes: int,
+        max_tools: int,
     ) -> None: ...
     def detected_caps(self) -> dict[str, bool]: ...
     def use_jinja(self) -> bool: ...

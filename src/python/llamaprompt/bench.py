@@ -41,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -348,15 +349,26 @@ def bench_template(
         mine = rate("llamaprompt", floored)
         ratios["floor_ratio"] = rps["floor"] / mine if mine and rps["floor"] else None
 
-    # apply_template_many on 1 and N threads, the request set repeated to fill min_time
-    batch = [json.dumps(r, ensure_ascii=False).encode() for r in requests.values()]
-    thread_rates = {}
-    for n_threads in sorted({1, threads}):
-        per_batch = _per_call(
-            partial(fast.apply_template_many, batch, threads=n_threads, return_exceptions=True),
-            min_time * len(batch) / 4,
-        )
-        thread_rates[str(n_threads)] = len(batch) / per_batch
+    # apply_template_many on 1 and N threads: the request set repeated to fill min_time per
+    # batch, 1 and N alternated three times, the median of each (thread timings are noisy)
+    bodies = [json.dumps(r, ensure_ascii=False).encode() for r in requests.values()]
+    per_body = max(row["llamaprompt"] for row in rows.values()) if rows else 0.0
+    batch = bodies * max(1, int(min_time / max(per_body * len(bodies), 1e-9)) + 1) * threads
+    samples: dict[int, list[float]] = {n: [] for n in sorted({1, threads})}
+
+    def measure() -> None:
+        for _ in range(3):
+            for n_threads in samples:
+                t0 = time.perf_counter()
+                fast.apply_template_many(batch, threads=n_threads, return_exceptions=True)
+                samples[n_threads].append(len(batch) / (time.perf_counter() - t0))
+
+    # from a non-main thread: glibc's main malloc arena (the main thread's) trims its heap
+    # far more often than the per-thread arenas, which would flatter N threads over 1
+    runner = threading.Thread(target=measure)
+    runner.start()
+    runner.join()
+    thread_rates = {str(n): statistics.median(v) for n, v in samples.items()}
     ratios["thread_scaling"] = thread_rates[str(threads)] / thread_rates["1"]
 
     out: dict[str, Any] = {
@@ -525,6 +537,14 @@ def run_bench(
     }
     median["load_ms"] = _median(r["load_ms"] for r in ok)
     median["renders_per_s"] = _median(r["renders_per_s"]["llamaprompt"] for r in ok)
+    # the templates whose requests take the differential autoparser path (where the fast
+    # path applies); the others use one of llama.cpp's specialized handlers
+    auto = [r for r in ok if r["handler"] == "autoparser"]
+    median_autoparser = {
+        key: _median(r["ratios"].get(key) for r in auto)
+        for key in ("upstream", "jinja2", "server", "floor_ratio", "thread_scaling")
+    }
+    median_autoparser["templates"] = len(auto)
     report: dict[str, Any] = {
         "environment": {
             "llamaprompt": __version__,
@@ -540,6 +560,7 @@ def run_bench(
         },
         "templates": results,
         "median": median,
+        "median_autoparser": median_autoparser,
     }
     if memory:
         report["memory"] = memory_report(paths or pinned_templates(), memory)
@@ -582,6 +603,14 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"× server {_fmt(m['server'], '.1f')}, time / floor {_fmt(m['floor_ratio'], '.2f')}, "
         f"{report['environment']['threads']} threads × {_fmt(m['thread_scaling'], '.2f')}.",
     ]
+    a = report.get("median_autoparser")
+    if a and a["templates"]:
+        lines.append(
+            f"The {a['templates']} templates on the autoparser path (the others use a specialized handler, "
+            f"which the fast path leaves as it is): × upstream {_fmt(a['upstream'], '.1f')}, × jinja2 "
+            f"{_fmt(a['jinja2'], '.2f')}, × server {_fmt(a['server'], '.1f')}, time / floor "
+            f"{_fmt(a['floor_ratio'], '.2f')}."
+        )
     mem = report.get("memory")
     if mem:
         lines.append(

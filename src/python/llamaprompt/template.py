@@ -112,15 +112,24 @@ DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024 * 1024
 
 
+#: Default largest number of tools in one request.
+DEFAULT_MAX_TOOLS = 4096
+
+
+def _limit_int(name: str, value: int | None) -> int:
+    """A positive int option for the core; None -> 0 (no limit)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+    return value
+
+
 def _limits(timeout: float | None, max_output_bytes: int | None) -> tuple[float, int]:
     """The core's (seconds, bytes); 0 means no limit."""
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
-    if max_output_bytes is not None and (
-        isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes <= 0
-    ):
-        raise ValueError(f"max_output_bytes must be a positive int or None, not {max_output_bytes!r}")
-    return (0.0 if timeout is None else float(timeout)), (0 if max_output_bytes is None else max_output_bytes)
+    return (0.0 if timeout is None else float(timeout)), _limit_int("max_output_bytes", max_output_bytes)
 
 
 def _call_timeout(timeout: float | None) -> float:
@@ -202,6 +211,10 @@ class ChatTemplate:
             per-element overhead) that one string repetition (``'x' * n``), string
             concatenation (``a ~ b``) or ``range(n)`` in the template may build; ``None``: no
             limit. Exceeding it raises TemplateError.
+        max_tools: the most tools a request may list (default 4096; ``None``: no limit); more
+            raise RequestError (400). llama.cpp's parser and grammar generation grow faster
+            than linearly with the tools (5000 take ~7 s and 1.5 GB; 10^5 exhaust memory),
+            and llama-server has no limit.
 
     Raises:
         TemplateError: the template cannot be parsed (llama-server would not start),
@@ -230,6 +243,7 @@ class ChatTemplate:
         fast_path: bool = True,
         timeout: float | None = DEFAULT_TIMEOUT,
         max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
+        max_tools: int | None = DEFAULT_MAX_TOOLS,
     ) -> None:
         if not isinstance(source, (str, bytes)):
             raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
@@ -239,6 +253,7 @@ class ChatTemplate:
         args = _server_args(server_args, handler)
         forced = _check_caps(caps)
         seconds, max_bytes = _limits(timeout, max_output_bytes)
+        tools_limit = _limit_int("max_tools", max_tools)
         self._setup(
             source=source,
             gguf_path=None,
@@ -257,6 +272,7 @@ class ChatTemplate:
                 "fast_path": bool(fast_path),
                 "timeout": timeout,
                 "max_output_bytes": max_output_bytes,
+                "max_tools": max_tools,
             },
             core=lambda: _core.Template(
                 _utf8(source),
@@ -272,6 +288,7 @@ class ChatTemplate:
                 bool(fast_path),
                 seconds,
                 max_bytes,
+                tools_limit,
             ),
         )
 
@@ -303,6 +320,7 @@ class ChatTemplate:
         fast_path: bool = True,
         timeout: float | None = DEFAULT_TIMEOUT,
         max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
+        max_tools: int | None = DEFAULT_MAX_TOOLS,
     ) -> ChatTemplate:
         """Load a model's chat template as ``llama-server -m PATH`` does, with no weights.
 
@@ -329,6 +347,7 @@ class ChatTemplate:
         args = _server_args(server_args, handler)
         forced = _check_caps(caps)
         seconds, max_bytes = _limits(timeout, max_output_bytes)
+        tools_limit = _limit_int("max_tools", max_tools)
         fspath = _path(path)
         if not isinstance(media_marker, str):
             raise TypeError(f"media_marker must be a str, not {type(media_marker).__name__}")
@@ -351,6 +370,7 @@ class ChatTemplate:
                 "fast_path": bool(fast_path),
                 "timeout": timeout,
                 "max_output_bytes": max_output_bytes,
+                "max_tools": max_tools,
                 "add_bos": bool(model.add_bos),
                 "add_eos": bool(model.add_eos),
             },
@@ -365,6 +385,7 @@ class ChatTemplate:
                 bool(fast_path),
                 seconds,
                 max_bytes,
+                tools_limit,
             ),
         )
         props = self._core.props()
@@ -472,7 +493,7 @@ class ChatTemplate:
         out: dict[str, Any] = {
             "handler": self.handler,
             "use_jinja": bool(self._core.use_jinja()),
-            "server_args": list(self.server_args),
+            "server_args": list(self._core_server_args),  # incl. what handler= adds
             "caps": self.caps,
             "detected_caps": self.detected_caps,
             "caps_forced": bool(self._options["caps"]),
@@ -765,7 +786,7 @@ class ChatTemplate:
     def __reduce__(self):
         keys = (
             "server_args", "media_marker", "fetch_remote_media", "caps", "handler", "hooks", "fast_path", "timeout",
-            "max_output_bytes",
+            "max_output_bytes", "max_tools",
         )
         opts = {k: self._options[k] for k in keys}
         if self._gguf_path is not None:
