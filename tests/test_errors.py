@@ -155,3 +155,18 @@ def test_argument_validation(qwen3):
     with pytest.raises(llamaprompt.TemplateError) as info:
         qwen3.apply_template(b'{"messages": [{"role": "user", "content": "\xff"}]}')
     assert info.value.status == 500 and isinstance(info.value.message, str)
+
+
+def test_schema_conversion_warning_goes_to_logging_not_stderr(caplog, capfd):
+    # json-schema-to-grammar prints this warning with fprintf(stderr) upstream; an
+    # unanchored `pattern` cannot be converted exactly (llama.cpp accepts any string)
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a+"}}}
+    req = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+    }
+    with caplog.at_level("WARNING", logger="llamaprompt.llama_cpp"):
+        t.apply(req)
+    assert any("JSON schema conversion was incomplete" in r.getMessage() for r in caplog.records)
+    assert "JSON schema conversion" not in capfd.readouterr().err

@@ -81,6 +81,12 @@ void log_capture::emit() const {
     }
 }
 
+void log_warning(const char * text) {
+    if (current_capture && text) {
+        current_capture->add(GGML_LOG_LEVEL_WARN, text);
+    }
+}
+
 void install_log_callback() {
     llama_log_set(log_callback, nullptr);
 }

@@ -37,6 +37,24 @@ class log_capture {
     log_capture * prev_;
 };
 
+// a warning line for the capture active on this thread (dropped when there is none)
+void log_warning(const char * text);
+
+// Runs fn (which must hold the GIL when it returns) with a capture of the llama.cpp log
+// lines it causes on this thread, then emits them to Python's logging, also when fn throws.
+template <typename F>
+auto with_log_capture(F && fn) -> decltype(fn()) {
+    log_capture logs;
+    try {
+        auto result = fn();
+        logs.emit();
+        return result;
+    } catch (...) {
+        logs.emit();
+        throw;
+    }
+}
+
 // installs the process-wide llama_log_set callback (once, at import)
 void install_log_callback();
 

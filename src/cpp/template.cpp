@@ -194,7 +194,8 @@ class core_template {
 
     // POST /apply-template: the prompt
     py::object apply_template(const std::string & body_text, double timeout) const {
-        return text_to_py(call_upstream([&]() { return prompt_for(body_text, timeout); }));
+        return with_log_capture(
+            [&]() { return text_to_py(call_upstream([&]() { return prompt_for(body_text, timeout); })); });
     }
 
     // apply_template for each body, on `threads` threads (the GIL released throughout);
@@ -273,6 +274,10 @@ class core_template {
 
     // the same call, everything it computes
     py::object apply(const std::string & body_text, double timeout) const {
+        return with_log_capture([&]() { return apply_impl(body_text, timeout); });
+    }
+
+    py::object apply_impl(const std::string & body_text, double timeout) const {
         std::string out = call_upstream([&]() {
             json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
