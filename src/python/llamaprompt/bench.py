@@ -494,36 +494,23 @@ def run_bench(
     server = ServerPeer(server_url) if server_url and "server" in peers else None
     results = []
     show = sys.stderr.isatty() if progress is None else progress
+
+    def one(path: Path, peer: ServerPeer | None) -> dict[str, Any]:
+        return bench_template(
+            path, reqs, threads=threads, min_time=min_time, peers=peers, server=peer, template_options=template_options
+        )
+
     for path in tqdm(paths, desc="bench", unit="template", disable=not show):
-        own_server = None
         try:
             if llama_server is not None and "server" in peers:
                 with LlamaServerProcess(llama_server[0], llama_server[1], path) as url:
                     own_server = ServerPeer(url)
-                    results.append(
-                        bench_template(
-                            path,
-                            reqs,
-                            threads=threads,
-                            min_time=min_time,
-                            peers=peers,
-                            server=own_server,
-                            template_options=template_options,
-                        )
-                    )
-                    own_server.close()
+                    try:
+                        results.append(one(path, own_server))
+                    finally:
+                        own_server.close()
             else:
-                results.append(
-                    bench_template(
-                        path,
-                        reqs,
-                        threads=threads,
-                        min_time=min_time,
-                        peers=peers,
-                        server=server,
-                        template_options=template_options,
-                    )
-                )
+                results.append(one(path, server))
         except Error as e:
             results.append({"template": path.name, "error": e.message})
         except RuntimeError as e:  # llama-server could not serve this template
