@@ -267,3 +267,70 @@ def test_vocab_conditions_llama_cpp_asserts_raise_instead(tmp_path):
     t = llamaprompt.ChatTemplate.from_gguf(none)
     with pytest.raises(llamaprompt.GGUFError, match="no tokenizer"):
         t.tokenize("x")
+
+
+def _field(src: Path, key: str):
+    return gguf.GGUFReader(src, "r").get_field(key).contents()
+
+
+def test_more_vocab_conditions_llama_cpp_asserts_raise_instead(tmp_path):
+    """The crash paths an audit of the pinned llama-vocab.cpp found reachable from file data
+    (each was confirmed to kill the process before it was guarded)."""
+    S, A, U32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+    spm, qwen, bert = vocab_gguf(SPM), vocab_gguf("ggml-vocab-qwen2.gguf"), vocab_gguf("ggml-vocab-bert-bge.gguf")
+
+    # an empty token text becomes "[EMPTY_<id>]" before llama.cpp's uniqueness assert
+    tokens = list(_field(spm, "tokenizer.ggml.tokens"))
+    tokens[5], tokens[6] = "", "[EMPTY_5]"
+    path = _rewrite_kv(spm, tmp_path / "empty.gguf", {"tokenizer.ggml.tokens": MetadataDetails(A, tokens, sub_type=S)})
+    with pytest.raises(llamaprompt.GGUFError, match="same token text twice"):
+        llamaprompt.ChatTemplate.from_gguf(path)
+    tokens[6] = ""  # two empty texts are two different placeholders: llama.cpp loads it
+    path = _rewrite_kv(spm, tmp_path / "empty2.gguf", {"tokenizer.ggml.tokens": MetadataDetails(A, tokens, sub_type=S)})
+    assert llamaprompt.ChatTemplate.from_gguf(path).tokenize("hi", add_special=False).size > 0
+
+    # BPE token texts decode in time and memory quadratic in their length
+    tokens = list(_field(qwen, "tokenizer.ggml.tokens"))
+    tokens[1000] = "中" * 28000
+    path = _rewrite_kv(qwen, tmp_path / "long.gguf", {"tokenizer.ggml.tokens": MetadataDetails(A, tokens, sub_type=S)})
+    with pytest.raises(llamaprompt.GGUFError, match="bytes long"):
+        llamaprompt.ChatTemplate.from_gguf(path)
+
+    # the test tokenizer divides by the number of tokens
+    path = _rewrite_kv(spm, tmp_path / "test.gguf", {"tokenizer.ggml.model": MetadataDetails(S, "test")})
+    assert llamaprompt.ChatTemplate.from_gguf(path)  # with tokens it loads
+    path = tmp_path / "test-empty.gguf"
+    reader = gguf.GGUFReader(spm, "r")
+    writer = gguf.GGUFWriter(path, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    copy_with_new_metadata(
+        reader,
+        writer,
+        {"tokenizer.ggml.model": MetadataDetails(S, "test")},
+        ["tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"],
+    )
+    with pytest.raises(llamaprompt.GGUFError):
+        llamaprompt.ChatTemplate.from_gguf(path)
+
+    # no tokenizer, but a vocab_size that makes ids look valid: token_to_piece asserts a tokenizer
+    arch = _field(spm, gguf.Keys.General.ARCHITECTURE)
+    path = _rewrite_kv(
+        spm,
+        tmp_path / "none.gguf",
+        {"tokenizer.ggml.model": MetadataDetails(S, "none"), f"{arch}.vocab_size": MetadataDetails(U32, 10)},
+    )
+    with pytest.raises(llamaprompt.GGUFError, match="no tokenizer"):
+        llamaprompt.ChatTemplate.from_gguf(path).token_to_piece(0)
+
+    # a bert (WPM) vocab adds [CLS] and [SEP] with add_special whatever add_bos says
+    cut = {
+        "tokenizer.ggml.tokens": MetadataDetails(A, list(_field(bert, "tokenizer.ggml.tokens"))[:100], sub_type=S),
+        "tokenizer.ggml.token_type": MetadataDetails(
+            A, list(_field(bert, "tokenizer.ggml.token_type"))[:100], sub_type=gguf.GGUFValueType.INT32
+        ),
+        "tokenizer.ggml.add_bos_token": MetadataDetails(gguf.GGUFValueType.BOOL, False),
+    }
+    for name, extra in (("no-bos", {}), ("no-sep", {"tokenizer.ggml.bos_token_id": MetadataDetails(U32, 0)})):
+        t = llamaprompt.ChatTemplate.from_gguf(_rewrite_kv(bert, tmp_path / f"{name}.gguf", {**cut, **extra}))
+        assert t.tokenize("hello", add_special=False).size > 0
+        with pytest.raises(llamaprompt.GGUFError, match="BOS|SEP"):
+            t.tokenize("hello", add_special=True)

@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdio>
+#include <deque>
 #include <memory>
 #include <string_view>
 #include <unordered_set>
@@ -64,25 +65,49 @@ void check_vocab_metadata(const std::string & path) {
         return;  // the loader reports why
     }
     std::string problem;
+    const int64_t model_key = gguf_find_key(ctx, "tokenizer.ggml.model");
+    const std::string tokenizer_model =
+        model_key >= 0 && gguf_get_kv_type(ctx, model_key) == GGUF_TYPE_STRING ? gguf_get_val_str(ctx, model_key) : "";
     const int64_t key = gguf_find_key(ctx, "tokenizer.ggml.tokens");
-    if (key >= 0 && gguf_get_kv_type(ctx, key) == GGUF_TYPE_ARRAY && gguf_get_arr_type(ctx, key) == GGUF_TYPE_STRING) {
-        // llama_vocab::impl::load: GGML_ASSERT(id_to_token.size() == token_to_id.size())
+    const bool has_tokens =
+        key >= 0 && gguf_get_kv_type(ctx, key) == GGUF_TYPE_ARRAY && gguf_get_arr_type(ctx, key) == GGUF_TYPE_STRING;
+    // BPE token texts are converted to bytes (llama_vocab::impl::token_to_piece) by a loop that
+    // appends the whole text again for each character outside GPT-2's byte map: the result grows
+    // with the square of the length and aborts at INT32_MAX bytes ("invalid token size")
+    const bool bpe_text = tokenizer_model == "gpt2" || tokenizer_model == "hybriddna" || tokenizer_model == "whitespace";
+    constexpr size_t max_bpe_token_bytes = 16384;
+    if (has_tokens) {
+        // llama_vocab::impl::load: an empty text becomes "[EMPTY_<id>]", then
+        // GGML_ASSERT(id_to_token.size() == token_to_id.size()): the texts must be unique after that
         const size_t n = gguf_get_arr_n(ctx, key);
         std::unordered_set<std::string_view> seen;
+        std::deque<std::string> placeholders;
         seen.reserve(n);
-        for (size_t i = 0; i < n; i++) {
-            if (!seen.insert(gguf_get_arr_str(ctx, key, i)).second) {
-                problem = "tokenizer.ggml.tokens holds the same token text twice (token " + std::to_string(i) +
-                          "); llama.cpp requires unique token texts";
+        for (size_t i = 0; i < n && problem.empty(); i++) {
+            std::string_view text = gguf_get_arr_str(ctx, key, i);
+            if (bpe_text && text.size() > max_bpe_token_bytes) {
+                problem = "token " + std::to_string(i) + " is " + std::to_string(text.size()) +
+                          " bytes long; llama.cpp's BPE token decoding grows with the square of the length (more "
+                          "than " + std::to_string(max_bpe_token_bytes) + " bytes is refused)";
                 break;
+            }
+            if (text.empty()) {
+                placeholders.push_back("[EMPTY_" + std::to_string(i) + "]");
+                text = placeholders.back();
+            }
+            if (!seen.insert(text).second) {
+                problem = "tokenizer.ggml.tokens holds the same token text twice (token " + std::to_string(i) +
+                          ", empty texts counting as [EMPTY_<id>]); llama.cpp requires unique token texts";
             }
         }
     }
+    // llama_vocab::impl::tokenize for the "test" tokenizer: hash % n_vocab (a division by zero)
+    if (problem.empty() && tokenizer_model == "test" && (!has_tokens || gguf_get_arr_n(ctx, key) == 0)) {
+        problem = "the test tokenizer needs at least one token (tokenizer.ggml.tokens is empty or missing)";
+    }
     // llama_vocab::impl::token_to_byte: GGML_ABORT for a WPM (bert) vocab that holds byte tokens
-    const int64_t model_key = gguf_find_key(ctx, "tokenizer.ggml.model");
     const int64_t type_key = gguf_find_key(ctx, "tokenizer.ggml.token_type");
-    if (problem.empty() && model_key >= 0 && gguf_get_kv_type(ctx, model_key) == GGUF_TYPE_STRING &&
-        std::string(gguf_get_val_str(ctx, model_key)) == "bert" && type_key >= 0 &&
+    if (problem.empty() && tokenizer_model == "bert" && type_key >= 0 &&
         gguf_get_kv_type(ctx, type_key) == GGUF_TYPE_ARRAY && gguf_get_arr_type(ctx, type_key) == GGUF_TYPE_INT32) {
         const auto * types = static_cast<const int32_t *>(gguf_get_arr_data(ctx, type_key));
         for (size_t i = 0; i < gguf_get_arr_n(ctx, type_key); i++) {
@@ -109,6 +134,12 @@ void check_tokenize(const llama_vocab * vocab, bool add_special) {
     }
     if (add_special && llama_vocab_get_add_eos(vocab) && llama_vocab_eos(vocab) == LLAMA_TOKEN_NULL) {
         throw error(error_kind::gguf, 0, "the vocab adds EOS (add_eos_token) but has no EOS token");
+    }
+    // the WPM (bert) tokenizer adds [CLS] (BOS) and [SEP] with add_special whatever add_bos says,
+    // and asserts both ids
+    if (add_special && llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_WPM &&
+        (llama_vocab_bos(vocab) == LLAMA_TOKEN_NULL || llama_vocab_sep(vocab) == LLAMA_TOKEN_NULL)) {
+        throw error(error_kind::gguf, 0, "this bert (WPM) vocab has no BOS ([CLS]) or SEP token, which it adds");
     }
 }
 
@@ -260,6 +291,7 @@ void register_model(py::module_ & m) {
         }, py::arg("tokens"))
         // POST /tokenize with_pieces: common_token_to_piece(vocab, token) (special tokens rendered)
         .def("token_to_piece", [](const core_model & mdl, llama_token token, bool special) {
+            check_tokenize(mdl.vocab(), false);  // token_to_piece asserts a tokenizer too
             std::string piece = call_upstream([&]() { return common_token_to_piece(mdl.vocab(), token, special); });
             return py::bytes(piece);
         }, py::arg("token"), py::arg("special") = true);
