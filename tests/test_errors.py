@@ -170,3 +170,22 @@ def test_schema_conversion_warning_goes_to_logging_not_stderr(caplog, capfd):
         t.apply(req)
     assert any("JSON schema conversion was incomplete" in r.getMessage() for r in caplog.records)
     assert "JSON schema conversion" not in capfd.readouterr().err
+
+
+def test_prompt_bytes_that_are_not_utf8_survive_apply():
+    # the template cuts "é" (2 bytes) after its first byte: the prompt is that byte
+    t = llamaprompt.ChatTemplate("{{ messages[0].content[:1] }}")
+    req = {"messages": [{"role": "user", "content": "é"}]}
+    assert t.apply_template(req) == "\udcc3"
+    p = t.apply(req)
+    assert p.prompt == "\udcc3" and p.llama_params["prompt"] == "\udcc3"
+    assert p.prompt.encode("utf-8", "surrogateescape") == b"\xc3"
+
+
+def test_lone_surrogates_are_typed_or_replaced():
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    params = t.apply({"messages": [{"role": "user", "content": "hi"}]})
+    # not UTF-8: llama-server's JSON replaces such bytes (U+FFFD) in what it returns
+    assert params.parse("a\ud800b", partial=True)["content"] == "a\ufffd\ufffd\ufffdb"
+    with pytest.raises(llamaprompt.Error):
+        t.apply_template({"messages": [{"role": "user", "content": "a\ud800"}]})

@@ -76,7 +76,7 @@ class core_output_parser {
             if (msg.empty()) {
                 msg.role = "assistant";
             }
-            return msg.to_json_oaicompat().dump();
+            return msg.to_json_oaicompat().dump_safe();  // bad UTF-8 replaced, as llama-server's responses
         });
         return json_text_to_py(out);
     }
@@ -90,7 +90,7 @@ class core_output_parser {
             for (const auto & d : diffs) {
                 arr.push_back(server_chat_msg_diff_to_json_oaicompat(d));
             }
-            return arr.dump();
+            return arr.dump_safe();
         });
         return json_text_to_py(out);
     }

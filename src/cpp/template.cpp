@@ -278,7 +278,12 @@ class core_template {
     }
 
     py::object apply_impl(const std::string & body_text, double timeout) const {
-        std::string out = call_upstream([&]() {
+        struct out_t {
+            std::string json_text;  // bad UTF-8 replaced, as llama-server's JSON responses do
+            std::string prompt;     // the exact bytes
+            std::string generation_prompt;
+        };
+        out_t out = call_upstream([&]() {
             json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
             scoped_handler in_force(st);
@@ -288,9 +293,21 @@ class core_template {
             result["chat_params"] = chat_params_to_json(res.chat_params);
             // which path common_chat_templates_apply_jinja took (for describe())
             result["specialized_handler"] = st.specialized_used;
-            return result.dump();
+            return out_t{result.dump_safe(), res.chat_params.prompt, res.chat_params.generation_prompt};
         });
-        return json_text_to_py(out);
+        // a template can cut a multi-byte character: the prompts keep their bytes (as
+        // surrogate escapes, like apply_template's) where JSON could not carry them
+        py::object result = json_text_to_py(out.json_text);
+        for (const char * part : {"chat_params", "llama_params"}) {
+            py::dict d = result[part];
+            if (d.contains("prompt")) {
+                d["prompt"] = text_to_py(out.prompt);
+            }
+            if (d.contains("generation_prompt")) {
+                d["generation_prompt"] = text_to_py(out.generation_prompt);
+            }
+        }
+        return result;
     }
 
     // what the template receives as `messages` for this request's messages
@@ -302,7 +319,7 @@ class core_template {
             return budgeted(limits_, [&]() {
                 common_chat_templates_inputs inputs = request_inputs(std::move(body), opt_, call_);
                 const bool with_tools = !inputs.tools.empty();
-                return render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)).dump();
+                return render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)).dump_safe();
             });
         });
         return json_text_to_py(out);

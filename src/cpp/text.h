@@ -24,8 +24,9 @@ inline pybind11::object json_text_to_py(const std::string & s) {
     return pybind11::module_::import("json").attr("loads")(text_to_py(s));
 }
 
+// bad UTF-8 in strings is replaced, as llama-server's JSON responses do (safe_json_to_str)
 inline pybind11::object json_to_py(const common_json & j) {
-    return json_text_to_py(j.dump());
+    return json_text_to_py(j.dump_safe());
 }
 
 }  // namespace llamaprompt

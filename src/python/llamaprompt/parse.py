@@ -7,15 +7,12 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from . import _core
+from .template import _utf8
 
 if TYPE_CHECKING:
     from .params import ChatParams
 
 __all__ = ["StreamParser", "output_parser"]
-
-
-def _utf8(text: str | bytes) -> bytes:
-    return text if isinstance(text, bytes) else text.encode("utf-8", "surrogateescape")
 
 
 def output_parser(

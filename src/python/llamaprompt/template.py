@@ -26,11 +26,17 @@ Request = Union[Mapping[str, Any], str, bytes]
 
 
 def _utf8(text: str | bytes, what: str = "value") -> bytes:
+    """UTF-8 bytes for llama.cpp. Surrogate escapes (bytes that were not UTF-8, as prompts
+    come back) become those bytes again; any other lone surrogate cannot be UTF-8 and is
+    passed as its 3 bytes, which llama.cpp then judges as it judges any invalid UTF-8."""
     if isinstance(text, bytes):
         return text
     if not isinstance(text, str):
         raise TypeError(f"{what} must be str or bytes, not {type(text).__name__}")
-    return text.encode("utf-8", "surrogateescape")
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
 
 
 def _path(path: Any) -> str:
@@ -152,7 +158,7 @@ def _body(request: Request) -> bytes:
         raise RequestError(f"request is not valid JSON: {e}", 400) from None
     except RecursionError:
         raise RequestError("request is nested too deeply", 400) from None
-    return text.encode("utf-8", "surrogateescape")
+    return _utf8(text)
 
 
 class ChatTemplate:
