@@ -44,7 +44,7 @@ def test_bench_cli_writes_report_json_and_plot(tmp_path, capsys):
     )
     assert rc == 0
     table = capsys.readouterr().out
-    assert table.startswith("| template |") and QWEN3 in table and "Median over 1 templates" in table
+    assert table.startswith("| template |") and QWEN3 in table and "Median over 1 template " in table
     report = json.loads(out.read_text())
     (row,) = report["templates"]
     assert set(row["renders_per_s"]) == {"llamaprompt", "upstream", "jinja2", "floor"}

@@ -143,3 +143,76 @@ def test_max_tools():
     assert "f2" in llamaprompt.ChatTemplate.from_file(src).apply_template(req)  # default 4096
     with pytest.raises(ValueError):
         llamaprompt.ChatTemplate.from_file(src, max_tools=0)
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+        "{{ " + "[" * 5000 + "]" * 5000 + " }}",
+        "{{ " + "not " * 200000 + "true }}",
+        "{{ " + "-" * 200000 + "1 }}",
+        "{% if true %}" * 20000 + "x" + "{% endif %}" * 20000,
+        "{{ " + "1 if false else " * 50000 + "2 }}",
+    ],
+    ids=["parens", "brackets", "not", "unary", "if-blocks", "ternaries"],
+)
+def test_deeply_nested_template_text_raises_at_parse(src):
+    # llama.cpp's Jinja parser is a recursive descent: these crashed the process when parsed
+    with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
+        llamaprompt.ChatTemplate(src)
+
+
+def test_deeply_nested_model_output_raises():
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    p = t.apply({"messages": [{"role": "user", "content": "x"}], "tools": [tool]})
+    deep = '<tool_call>\n{"name": "f", "arguments": ' + "[" * 10000 + "]" * 10000 + "}\n</tool_call>"
+    with pytest.raises(llamaprompt.TemplateError, match="nests brackets"):
+        p.parse(deep)
+    with pytest.raises(llamaprompt.TemplateError, match="nests brackets"):
+        p.stream_parser().feed(deep)
+    ok = '<tool_call>\n{"name": "f", "arguments": {"a": ' + "[" * 50 + "]" * 50 + "}}\n</tool_call>"
+    assert p.parse(ok)["tool_calls"][0]["function"]["name"] == "f"
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["{% set ns.s = [ns.s, ns.s]|join('') %}", "{% set ns.s = ns.s|tojson %}", "{% set ns.l = ns.l + ns.l %}"],
+    ids=["join", "tojson", "list-concat"],
+)
+def test_doubling_builtins_hit_the_size_budget(step):
+    body = "{% set ns = namespace(s='a\"b', l=[1]) %}" + step * 60
+    t = llamaprompt.ChatTemplate(_trap(body), timeout=5)
+    with pytest.raises(llamaprompt.TemplateError, match="size budget"):
+        t.apply_template(_on("trap"))
+
+
+def test_schema_with_too_many_properties():
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1025)}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    with pytest.raises(llamaprompt.RequestError, match="1025 properties"):
+        t.apply_template({"messages": [{"role": "user", "content": "x"}], "tools": [tool]})
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    with pytest.raises(llamaprompt.RequestError, match="1025 properties"):
+        t.apply_template({"messages": [{"role": "user", "content": "x"}], "response_format": fmt})
+
+
+def test_limit_edge_values():
+    t = llamaprompt.ChatTemplate("{{ messages[0].content }}", timeout=float("inf"), max_tools=2**70)
+    assert t.apply_template(HI, timeout=1e10) == "hi"
+    with pytest.raises(ValueError):
+        llamaprompt.ChatTemplate("{{ 1 }}", timeout=float("nan"))
+    with pytest.raises(ValueError):
+        t.apply_template(HI, timeout=float("nan"))
+
+
+def test_apply_template_many_arguments():
+    t = llamaprompt.ChatTemplate("{{ messages[0].content }}")
+    with pytest.raises(TypeError, match="iterable of requests"):
+        t.apply_template_many(HI)
+    got = t.apply_template_many([HI, 5, {"messages": [{"role": "user", "content": "\ud800"}]}], return_exceptions=True)
+    assert got[0] == "hi" and isinstance(got[1], TypeError) and isinstance(got[2], Exception)
+    with pytest.raises(TypeError):
+        t.apply_template_many([HI, 5])

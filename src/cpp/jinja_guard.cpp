@@ -61,7 +61,8 @@ void check_time() {
 jinja_budget::jinja_budget(const jinja_limits & limits)
     : prev_deadline_(deadline), prev_max_bytes_(max_bytes), prev_seconds_(budget_seconds) {
     budget_seconds = limits.seconds;
-    deadline = limits.seconds > 0
+    // more than ~30 years (or inf) would overflow the clock: no deadline
+    deadline = limits.seconds > 0 && limits.seconds < 1e9
                    ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(limits.seconds))
                    : clock::time_point::max();
     max_bytes = limits.max_bytes;
@@ -81,9 +82,9 @@ void jinja_guard_step() {
     }
     char probe;
     if (stack_floor != 0 && reinterpret_cast<uintptr_t>(&probe) < stack_floor) {
-        fire("template execution nested too deeply (half of the thread's stack used)");
+        fire("template nested too deeply (half of the thread's stack used)");
     }
-    if ((++steps & 255) == 0) {
+    if ((++steps & 63) == 0) {
         check_time();
     }
 }

@@ -9,7 +9,8 @@
 // the error of the call (a TemplateError, 500). Limits are per thread, set by a
 // jinja_budget for the duration of one llamaprompt call:
 // - stack: execution stops when the thread has used half of its stack;
-// - time: execution stops once `seconds` have passed (checked every few hundred steps);
+// - time: execution stops once `seconds` have passed (checked every 64 steps and at each
+//   size check);
 // - size: a string repetition or concatenation, or a range(), may not build a value of
 //   more than `max_bytes`.
 // Output that many statements emit is bounded only by the time budget; memory is bounded

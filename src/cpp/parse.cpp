@@ -65,10 +65,33 @@ class core_output_parser {
         reset();
     }
 
-    void reset() { state_ = std::make_unique<task_result_state>(params_); }
+    void reset() {
+        state_ = std::make_unique<task_result_state>(params_);
+        depth_ = 0;
+    }
+
+    // The output parser recurses once per JSON nesting level (tool-call arguments) and has
+    // no limit: model output with ~10^4 unclosed brackets overflows the C++ stack. More than
+    // max_depth unclosed [ / { is refused (llama-server would crash).
+    static constexpr long max_depth = 1000;
+    static void check_depth(const std::string & text, long & depth) {
+        for (char c : text) {
+            if (c == '[' || c == '{') {
+                if (++depth > max_depth) {
+                    throw error(error_kind::template_, 500,
+                                "the model output nests brackets more than " + std::to_string(max_depth) +
+                                    " levels deep; llama.cpp's output parser would overflow the stack");
+                }
+            } else if ((c == ']' || c == '}') && depth > 0) {
+                --depth;
+            }
+        }
+    }
 
     // one-shot parse of the whole text, as the final (non-streamed) response computes it
     py::object parse(const std::string & text, bool partial) {
+        long depth = 0;
+        check_depth(text, depth);
         std::string out = call_upstream([&]() {
             task_result_state st(params_);
             std::vector<common_chat_msg_diff> diffs;
@@ -83,6 +106,7 @@ class core_output_parser {
 
     // streaming: the OpenAI deltas llama-server sends for this chunk
     py::object feed(const std::string & chunk, bool is_final) {
+        check_depth(chunk, depth_);
         std::string out = call_upstream([&]() {
             std::vector<common_chat_msg_diff> diffs;
             state_->update_chat_msg(chunk, !is_final, diffs);
@@ -116,6 +140,7 @@ class core_output_parser {
 
   private:
     common_chat_parser_params params_;
+    long depth_ = 0;  // unclosed brackets of the text fed so far
     std::unique_ptr<task_result_state> state_;
     std::shared_ptr<core_model> model_;
 };

@@ -38,4 +38,10 @@ static void llamaprompt_concat_guard(const A & left, const B & right) {
     jinja_guard_size(jinja_bytes(left) + jinja_bytes(right), jinja_parts(left) + jinja_parts(right));
 }
 
+// `list + list`: the size guard on the result (~48 bytes per element)
+template <typename A>
+static void llamaprompt_list_concat_guard(const A & left, const A & right) {
+    llamaprompt::jinja_guard_size((left.size() + right.size()) * 48, 0);
+}
+
 #include "jinja-runtime.cpp"  // the generated copy

@@ -18,6 +18,17 @@ static void llamaprompt_range_push(Array & out, int64_t i) {
     out->push_back(jinja::mk_val<jinja::value_int>(i));
 }
 
+// join / replace / tojson: the size guard on the string being built (the text, or the
+// size a reserve() asks for), then the value as upstream uses it
+static const std::string & llamaprompt_sized(size_t current, const std::string & piece) {
+    llamaprompt::jinja_guard_size(current + piece.size(), 0);
+    return piece;
+}
+static size_t llamaprompt_sized(size_t current, size_t bytes) {
+    llamaprompt::jinja_guard_size(current + bytes, 0);
+    return bytes;
+}
+
 #include "thread_safe_time.h"
 #include "jinja-value.cpp"  // the generated copy
 #undef localtime

@@ -492,6 +492,16 @@ def run_bench(
     if "jinja2" in peers:
         import jinja2  # noqa: F401  (fail early: pip install 'llamaprompt[bench]')
     server = ServerPeer(server_url) if server_url and "server" in peers else None
+    if server is not None:
+        served = [p for p in paths if server.serves(ChatTemplate.from_file(p))]
+        if not served:
+            import warnings
+
+            warnings.warn(
+                f"{server_url} serves none of the benchmarked templates (GET /props chat_template): "
+                "no template is compared with it",
+                stacklevel=2,
+            )
     results = []
     show = sys.stderr.isatty() if progress is None else progress
 
@@ -554,6 +564,10 @@ def run_bench(
     return report
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -584,7 +598,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     n_req = report["environment"]["requests"]
     lines += [
         "",
-        f"Median over {sum('error' not in r for r in report['templates'])} templates ({n_req} requests each): "
+        f"Median over {_count(sum('error' not in r for r in report['templates']), 'template')} "
+        f"({n_req} requests each): "
         f"{_fmt(m['renders_per_s'], '.0f')} renders/s, load {_fmt(m['load_ms'], '.1f')} ms; "
         f"× upstream {_fmt(m['upstream'], '.1f')}, × jinja2 {_fmt(m['jinja2'], '.2f')}, "
         f"× server {_fmt(m['server'], '.1f')}, time / floor {_fmt(m['floor_ratio'], '.2f')}, "
@@ -593,7 +608,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     a = report.get("median_autoparser")
     if a and a["templates"]:
         lines.append(
-            f"The {a['templates']} templates on the autoparser path (the others use a specialized handler, "
+            f"On the autoparser path, {_count(a['templates'], 'template')} (the others use a specialized handler, "
             f"which the fast path leaves as it is): × upstream {_fmt(a['upstream'], '.1f')}, × jinja2 "
             f"{_fmt(a['jinja2'], '.2f')}, × server {_fmt(a['server'], '.1f')}, time / floor "
             f"{_fmt(a['floor_ratio'], '.2f')}."
@@ -633,7 +648,7 @@ def plot_report(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     ax.set_xlabel("renders/s (single thread, log scale)")
     env = report["environment"]
     ax.set_title(f"apply_template throughput, llama.cpp {env['llama_cpp_commit'][:9]}, {env['requests']} requests")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(axis="x", which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

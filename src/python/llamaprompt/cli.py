@@ -46,6 +46,20 @@ def _positive(text: str) -> int:
     return n
 
 
+def _non_negative(text: str) -> float:
+    x = float(text)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError("must be a number >= 0")
+    return x
+
+
+def _non_negative_int(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return n
+
+
 def _template_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("template (as llama-server loads it)")
     g.add_argument(
@@ -280,7 +294,9 @@ def _parser() -> argparse.ArgumentParser:
         "(fast_path=False, what llama-server runs), Python Jinja2 set up as transformers' apply_chat_template "
         "(pip install 'llamaprompt[bench]'), llama-server over HTTP (--server-url), and the floor (one plain "
         "execution of the template in llama.cpp's Jinja engine). Prints a Markdown table of ratios per template "
-        "and their medians (docs/performance.md explains each column).",
+        "and their medians: '× PEER' is llamaprompt's renders/s over the peer's (> 1: llamaprompt is faster), "
+        "'time / floor' llamaprompt's time over the floor's (1.0 is the floor). docs/performance.md explains "
+        "each column.",
     )
     g = p.add_argument_group("templates (default: every template of the pinned tree)")
     g.add_argument("--template", "-t", nargs="+", action="extend", default=[], metavar="FILE", help="template files")
@@ -292,10 +308,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive, default=2, metavar="N", help="threads for the scaling figure (2)")
     p.add_argument(
         "--min-time",
-        type=float,
+        type=_non_negative,
         default=0.02,
         metavar="S",
-        help="seconds spent timing each template x request x peer (default 0.02)",
+        help="seconds spent timing each template x request x peer (default 0.02; 0: one call each)",
     )
     p.add_argument("--server-url", metavar="URL", help="a llama-server, http://HOST:PORT (its template is compared)")
     p.add_argument(
@@ -308,7 +324,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-upstream", action="store_true", help="skip llama.cpp's uncached path (the slowest peer)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor")
     p.add_argument(
-        "--memory", type=int, default=100, metavar="N", help="templates loaded for the memory report (0: skip)"
+        "--memory",
+        type=_non_negative_int,
+        default=100,
+        metavar="N",
+        help="templates loaded for the memory report (default 100; 0: skip)",
     )
     p.add_argument("--json", metavar="OUT.json", help="also write the full results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="also draw renders/s per template (needs matplotlib)")

@@ -128,12 +128,12 @@ def _limit_int(name: str, value: int | None) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int or None, not {value!r}")
-    return value
+    return min(value, 2**62)  # larger is no limit in practice (and fits the core's size_t)
 
 
 def _limits(timeout: float | None, max_output_bytes: int | None) -> tuple[float, int]:
     """The core's (seconds, bytes); 0 means no limit."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
     return (0.0 if timeout is None else float(timeout)), _limit_int("max_output_bytes", max_output_bytes)
 
@@ -207,7 +207,7 @@ class ChatTemplate:
             call.
         timeout: wall-time budget in seconds of the template executions of one call
             (loading included); ``None``: none. llama.cpp's Jinja engine has no limit;
-            llamaprompt checks the clock every few hundred execution steps and in ``range()``,
+            llamaprompt checks the clock every 64 execution steps and in ``range()``,
             and raises TemplateError when it has passed. Also on by default: a template
             that recurses until half of the thread's stack is used raises TemplateError
             instead of crashing the process. A single huge built-in operation is not
@@ -619,7 +619,8 @@ class ChatTemplate:
             requests: request bodies, as for :meth:`apply_template`.
             threads: how many threads render (>= 1).
             return_exceptions: put each failed request's exception (a
-                :class:`~llamaprompt.Error`) in its place in the list instead of raising
+                :class:`~llamaprompt.Error`, or the TypeError / ValueError of a request that
+                is not a mapping or JSON text) in its place in the list instead of raising
                 the first one (the choice ``asyncio.gather`` offers).
 
         Returns:
@@ -627,6 +628,7 @@ class ChatTemplate:
 
         Raises:
             ValueError: ``threads`` < 1.
+            TypeError: ``requests`` is one request (a mapping or text) instead of several.
             RequestError / TemplateError: the first failed request's error (unless
                 ``return_exceptions``).
 
@@ -634,6 +636,8 @@ class ChatTemplate:
         """
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+        if isinstance(requests, (Mapping, str, bytes)):
+            raise TypeError("requests must be an iterable of requests (e.g. a list of dicts), not one request")
         items = list(requests)
         if hooks_for(self, self._options["hooks"]):
             from concurrent.futures import ThreadPoolExecutor
@@ -641,7 +645,7 @@ class ChatTemplate:
             def one(request: Request) -> Any:
                 try:
                     return self.apply_template(request, timeout=timeout)
-                except Error as e:
+                except (Error, TypeError, ValueError) as e:
                     return e
 
             with ThreadPoolExecutor(threads) as pool:
@@ -651,14 +655,14 @@ class ChatTemplate:
             for request in items:
                 try:
                     bodies.append(_body(request))
-                except Error as e:
+                except (Error, TypeError, ValueError) as e:  # this request's own problem
                     bodies.append(e)
-            to_render = [b for b in bodies if not isinstance(b, Error)]
+            to_render = [b for b in bodies if isinstance(b, bytes)]
             rendered = iter(self._core.apply_template_many(to_render, threads, _call_timeout(timeout)))
-            results = [b if isinstance(b, Error) else next(rendered) for b in bodies]
+            results = [next(rendered) if isinstance(b, bytes) else b for b in bodies]
         if not return_exceptions:
             for r in results:
-                if isinstance(r, Error):
+                if isinstance(r, Exception):
                     raise r
         return results
 
