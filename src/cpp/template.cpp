@@ -152,11 +152,7 @@ class core_template {
                   const std::string & media_marker, bool fetch_remote_media,
                   const std::map<std::string, bool> & caps, bool skip_specialized, bool fast_path, double timeout,
                   size_t max_output_bytes, size_t max_tools) {
-        limits_ = {timeout, max_output_bytes};
-        max_tools_ = max_tools;
-        caps_override_ = caps;
-        handler_.skip_specialized = skip_specialized;
-        set_fast_path(fast_path);
+        configure(caps, skip_specialized, fast_path, timeout, max_output_bytes, max_tools);
         common_params params = parse_args(server_args);
         if (source.empty()) {
             // common_chat_templates_init would take the model's template (GGML_ASSERT(model))
@@ -176,11 +172,7 @@ class core_template {
                   const std::vector<std::string> & server_args, const std::string & media_marker,
                   bool fetch_remote_media, const std::map<std::string, bool> & caps, bool skip_specialized,
                   bool fast_path, double timeout, size_t max_output_bytes, size_t max_tools) {
-        limits_ = {timeout, max_output_bytes};
-        max_tools_ = max_tools;
-        caps_override_ = caps;
-        handler_.skip_specialized = skip_specialized;
-        set_fast_path(fast_path);
+        configure(caps, skip_specialized, fast_path, timeout, max_output_bytes, max_tools);
         common_params params = parse_args(server_args);
         const llama_vocab * vocab = model->vocab();
         // the BOS/EOS text GET /props reports (server-context.cpp: common_token_to_piece(ctx, id, true))
@@ -376,6 +368,16 @@ class core_template {
             l.seconds = timeout;
         }
         return l;
+    }
+
+    // the options both constructors take, before anything is loaded
+    void configure(const std::map<std::string, bool> & caps, bool skip_specialized, bool fast_path, double timeout,
+                   size_t max_output_bytes, size_t max_tools) {
+        limits_ = {timeout, max_output_bytes};
+        max_tools_ = max_tools;
+        caps_override_ = caps;
+        handler_.skip_specialized = skip_specialized;
+        set_fast_path(fast_path);
     }
 
     void set_fast_path(bool on) {
