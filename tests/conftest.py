@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 from functools import cache
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import llamaprompt
 REPO = Path(__file__).resolve().parent.parent
 
 
-def reference_dir() -> Path:
+def shared_reference_dir() -> Path:
+    """The reference folder for the pinned tree (…/shared/reference, or $LLAMAPROMPT_REFERENCE_DIR);
+    recordings of other trees are in its versions/<sdist-version>/."""
     env = os.environ.get("LLAMAPROMPT_REFERENCE_DIR")
     if env:
         return Path(env)
@@ -28,12 +31,73 @@ def reference_dir() -> Path:
     return REPO.parent / "shared" / "reference"
 
 
+def reference_required() -> bool:
+    """CI sets LLAMAPROMPT_REQUIRE_REFERENCE=1: then missing or empty reference fixtures fail
+    the run instead of skipping (a developer without ../shared still gets skips)."""
+    return os.environ.get("LLAMAPROMPT_REQUIRE_REFERENCE", "") not in ("", "0")
+
+
+def _commit_of(folder: Path) -> str | None:
+    path = folder / "apply_template.json"
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096)
+    m = re.search(r'"llama_cpp_commit"\s*:\s*"([0-9a-f]+)"', head)
+    return m.group(1) if m else json.loads(path.read_text(encoding="utf-8")).get("llama_cpp_commit")
+
+
+def _same_commit(a: str, b: str) -> bool:
+    n = min(len(a), len(b))
+    return n >= 7 and a[:n] == b[:n]
+
+
+@cache
+def reference_dir() -> Path | None:
+    """The folder recorded from the llama.cpp commit this module was built from: the shared
+    reference itself (pinned tree) or one of its versions/<sdist-version>/; None when no
+    recording of this commit exists (every other test still runs)."""
+    root = shared_reference_dir()
+    built = llamaprompt.LLAMA_CPP_COMMIT
+    candidates = [root] + sorted(p for p in (root / "versions").glob("*") if p.is_dir())
+    for folder in candidates:
+        commit = _commit_of(folder)
+        if commit and _same_commit(commit, built):
+            return folder
+    return None
+
+
+def _missing(message: str):
+    if reference_required():
+        pytest.fail(message + " (LLAMAPROMPT_REQUIRE_REFERENCE is set)", pytrace=False)
+    pytest.skip(message)
+
+
 @cache
 def load_reference(name: str) -> dict:
-    path = reference_dir() / name
+    folder = reference_dir()
+    if folder is None:
+        _missing(f"no reference fixtures recorded from llama.cpp {llamaprompt.LLAMA_CPP_COMMIT} under "
+                 f"{shared_reference_dir()} (set LLAMAPROMPT_REFERENCE_DIR)")
+    path = folder / name
     if not path.exists():
-        pytest.skip(f"reference fixtures not found: {path} (set LLAMAPROMPT_REFERENCE_DIR)")
-    return json.loads(path.read_text(encoding="utf-8"))
+        _missing(f"reference fixtures not found: {path} (set LLAMAPROMPT_REFERENCE_DIR)")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not data.get("requests") or not (data.get("variants") or data.get("models")):
+        _missing(f"reference fixtures {path} hold no cases")
+    return data
+
+
+def reference_cases(collect):
+    """pytest params from ``collect()`` (which calls load_reference): an empty list when the
+    fixtures are absent and not required; a collection failure when required and absent or empty."""
+    try:
+        params = list(collect())
+    except pytest.skip.Exception:
+        return []
+    if not params and reference_required():
+        pytest.fail("the reference fixtures yielded no test cases", pytrace=False)
+    return params
 
 
 # The date formats templates print (common_chat_extra_context's "%b %d %Y" and
@@ -56,7 +120,8 @@ def mask_dates(prompt: str, rendered_on: str) -> str:
 def llama_cpp_models_dir() -> Path | None:
     """models/ of the llama.cpp tree the package was built from (the vocab GGUFs live there)."""
     env = os.environ.get("LLAMAPROMPT_LLAMA_CPP_DIR")
-    for base in ([Path(env)] if env else []) + [REPO / "third_party" / "llama.cpp"]:
+    built = llamaprompt.tree_info().get("tree_dir")
+    for base in ([Path(env)] if env else []) + ([Path(built)] if built else []) + [REPO / "third_party" / "llama.cpp"]:
         if (base / "models").is_dir():
             return base / "models"
     return None

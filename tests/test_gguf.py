@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import llamaprompt
-from conftest import load_reference, mask_dates, vocab_gguf
+from conftest import load_reference, mask_dates, reference_cases, vocab_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata  # noqa: E402
@@ -20,11 +20,7 @@ SPM = "ggml-vocab-llama-spm.gguf"
 
 
 def _models():
-    try:
-        ref = load_reference("gguf.json")
-    except pytest.skip.Exception:
-        return []
-    return sorted(ref["models"])
+    return sorted(load_reference("gguf.json")["models"])
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +28,7 @@ def gguf_ref():
     return load_reference("gguf.json")
 
 
-@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("name", reference_cases(_models))
 def test_reference_model(gguf_ref, name):
     expected = gguf_ref["models"][name]
     tmpl = llamaprompt.ChatTemplate.from_gguf(vocab_gguf(expected["vocab_file"]), media_marker=gguf_ref["media_marker"])

@@ -1,13 +1,16 @@
-"""Fill third_party/llama.cpp from the pinned source distribution.
+"""Fill a llama.cpp tree from a llama-cpp-python source distribution.
 
-Run by CMakeLists.txt when the tree is absent (and usable by hand):
+Run by CMakeLists.txt when the selected tree is absent (and usable by hand):
 
-    python third_party/fetch_llama_cpp.py [DEST]
+    python third_party/fetch_llama_cpp.py [--version VERSION] [DEST]
+    python third_party/fetch_llama_cpp.py --list
 
-Reads third_party/llama.cpp.lock, downloads the pinned sdist with pip (kept in a
-cache directory outside the clone, so a second build does not download again),
-checks its sha256, and extracts the llama.cpp tree it vendors into DEST
-(default: third_party/llama.cpp). Standard library only.
+Reads third_party/llama.cpp.lock, downloads the sdist of that llama-cpp-python version
+(default: the pinned one) with pip, which checks the sha256 the lock lists before any
+code of the download runs (``--require-hashes``); the file is kept in a cache directory
+outside the clone, checked again, and the llama.cpp tree it vendors is extracted into
+DEST (default: third_party/llama.cpp for the pinned version, else
+``<cache>/trees/<version>``). Standard library only.
 """
 
 from __future__ import annotations
@@ -42,6 +45,25 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def load_lock() -> dict:
+    return json.loads((HERE / "llama.cpp.lock").read_text())
+
+
+def version_entry(lock: dict, version: str | None) -> dict:
+    """The lock's record for a llama-cpp-python version: commit, date, sha256 (SystemExit if unknown)."""
+    pinned = lock["source"]["version"]
+    version = version or pinned
+    versions = lock.get("versions", {})
+    if version not in versions:
+        sys.exit(f"llamaprompt: llama-cpp-python {version} is not in third_party/llama.cpp.lock "
+                 f"(known: {', '.join(sorted(versions))}); use LLAMAPROMPT_LLAMA_CPP_DIR for any other tree")
+    return {"version": version, "pinned": version == pinned, **versions[version]}
+
+
+def default_dest(entry: dict) -> Path:
+    return HERE / "llama.cpp" if entry["pinned"] else cache_dir() / "trees" / entry["version"]
+
+
 def download_sdist(package: str, version: str, sha256: str) -> Path:
     """Return a verified copy of the sdist, downloading it with pip when not cached."""
     target = cache_dir() / "sdist"
@@ -51,9 +73,13 @@ def download_sdist(package: str, version: str, sha256: str) -> Path:
         if candidate.exists() and sha256_of(candidate) == sha256:
             return candidate
     with tempfile.TemporaryDirectory(dir=target) as tmp:
+        # pip checks the hash as soon as the file is downloaded, before it prepares the
+        # package's metadata (which would run the download's build backend)
+        req = Path(tmp) / "requirements.txt"
+        req.write_text(f"{package}=={version} --hash=sha256:{sha256}\n")
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            "--no-build-isolation", f"{package}=={version}", "-d", tmp,
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+            "--no-build-isolation", "-r", str(req), "-d", tmp,
         ]
         print("llamaprompt: fetching", f"{package}=={version}", file=sys.stderr)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -95,15 +121,32 @@ def extract(sdist: Path, subdir: str, dest: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    lock = json.loads((HERE / "llama.cpp.lock").read_text())
-    src = lock["source"]
-    dest = Path(argv[1]) if len(argv) > 1 else HERE / "llama.cpp"
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Extract the llama.cpp tree a llama-cpp-python sdist vendors.")
+    ap.add_argument("dest", nargs="?", help="target folder (default: the version's usual place)")
+    ap.add_argument("--version", help="llama-cpp-python version listed in llama.cpp.lock (default: the pin)")
+    ap.add_argument("--list", action="store_true", help="print the known versions as JSON and exit")
+    ap.add_argument("--print-dest", action="store_true", help="print the default folder and exit")
+    args = ap.parse_args(argv[1:])
+    lock = load_lock()
+    if args.list:
+        print(json.dumps(lock.get("versions", {}), indent=1))
+        return 0
+    entry = version_entry(lock, args.version)
+    dest = Path(args.dest) if args.dest else default_dest(entry)
+    if args.print_dest:
+        print(dest)
+        return 0
     if (dest / "CMakeLists.txt").exists():
         return 0
-    sdist = download_sdist(src["package"], src["version"], src["sha256"])
+    src = lock["source"]
+    sdist = download_sdist(src["package"], entry["version"], entry["sha256"])
     extract(sdist, src["subdir"], dest)
-    (dest / ".llamaprompt-commit").write_text(lock["commit"] + "\n")
-    print(f"llamaprompt: llama.cpp {lock['commit']} extracted to {dest}", file=sys.stderr)
+    (dest / ".llamaprompt-commit").write_text(entry["commit"] + "\n")
+    (dest / ".llamaprompt-source").write_text(f"{src['package']} {entry['version']} sdist\n")
+    print(f"llamaprompt: llama.cpp {entry['commit']} (llama-cpp-python {entry['version']}) extracted to {dest}",
+          file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,7 @@
 // Built-in (non-Jinja) chat templates: llama.cpp's own list and its C renderer, as used
 // by llama-server --no-jinja --chat-template NAME (common_chat_templates_apply_legacy).
 #include "errors.h"
+#include "shim.h"
 #include "text.h"
 
 #include "chat.h"
@@ -60,6 +61,11 @@ void register_builtin(py::module_ & m) {
         py::gil_scoped_release nogil;
         return common_chat_verify_template(tmpl, use_jinja);
     }, py::arg("template"), py::arg("use_jinja"));
+    // llama-server's own refusal of `--chat-template NAME`: its message, or "" when accepted
+    m.def("check_chat_template_arg", [](const std::string & name, bool use_jinja) {
+        py::gil_scoped_release nogil;
+        return check_chat_template_arg(name, use_jinja);
+    }, py::arg("name"), py::arg("use_jinja"));
 }
 
 }  // namespace llamaprompt

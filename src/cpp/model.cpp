@@ -6,6 +6,7 @@
 #include "logging.h"
 #include "shim.h"
 #include "text.h"
+#include "tree.h"
 
 #include "gguf.h"
 
@@ -102,7 +103,8 @@ void check_vocab_metadata(const std::string & path) {
         }
     }
     // llama_vocab::impl::tokenize for the "test" tokenizer: hash % n_vocab (a division by zero)
-    if (problem.empty() && tokenizer_model == "test" && (!has_tokens || gguf_get_arr_n(ctx, key) == 0)) {
+    if (LP_HAS_VOCAB_TEST_TOKENIZER && problem.empty() && tokenizer_model == "test" &&
+        (!has_tokens || gguf_get_arr_n(ctx, key) == 0)) {
         problem = "the test tokenizer needs at least one token (tokenizer.ggml.tokens is empty or missing)";
     }
     // llama_vocab::impl::token_to_byte: GGML_ABORT for a WPM (bert) vocab that holds byte tokens

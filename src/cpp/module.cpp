@@ -1,13 +1,17 @@
-// llamaprompt._core: llama.cpp's chat-template code, compiled from the pinned tree.
+// llamaprompt._core: llama.cpp's chat-template code, compiled from the tree the build was given.
 // Each topic registers itself from its own file; this file only wires them up.
 #include "errors.h"
 #include "logging.h"
+#include "shim.h"
+#include "tree.h"
+#include "lp_build.h"
 
 #include "llama.h"
 
 #include "log.h"
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 namespace py = pybind11;
 
@@ -21,6 +25,11 @@ void register_parse(py::module_ & m);
 PYBIND11_MODULE(_core, m) {
     m.doc() = "llamaprompt's private extension: llama.cpp's chat code (do not import directly)";
     m.attr("LLAMA_CPP_COMMIT") = LLAMAPROMPT_LLAMA_CPP_COMMIT;
+    m.attr("LLAMA_CPP_SOURCE") = LLAMAPROMPT_LLAMA_CPP_SOURCE;
+    m.attr("LLAMA_CPP_DIR") = LLAMAPROMPT_LLAMA_CPP_DIR;  // the tree's folder at build time
+    // what third_party/adapt_tree.py found in the tree (features, rewrites applied or skipped)
+    m.attr("TREE_INFO_JSON") = LP_TREE_INFO_JSON;
+    m.attr("CAPS_KEYS") = llamaprompt::caps_keys();
 
     // llama.cpp's common log is silent inside a library unless asked for
     common_log_set_verbosity_thold(-1);

@@ -10,9 +10,15 @@
 #include "shim.h"
 #include "text.h"
 
+#include "tree.h"
+
+#if LP_HAS_PARSE
 #include "server-chat.h"
+#if LP_HAS_SERVER_SCHEMA
 #include "server-schema.h"
+#endif
 #include "server-task.h"
+#endif
 
 #include <pybind11/stl.h>
 
@@ -25,6 +31,7 @@ namespace py = pybind11;
 
 namespace llamaprompt {
 
+#if LP_HAS_PARSE
 namespace {
 
 // fields of the completion schema whose handlers need a vocab (GGML_ASSERT(ctx.vocab));
@@ -58,7 +65,14 @@ class core_output_parser {
             }
             data["stream"] = stream;
             const llama_vocab * vocab = model ? model->vocab() : nullptr;
+            // n_ctx_slot (older trees) only sets sampling penalties, never the chat parser's parameters
+#if LP_HAS_SERVER_SCHEMA && LP_HAS_CMPL_SCHEMA_N_CTX_SLOT
+            task_params tp = server_schema::eval_llama_cmpl_schema(vocab, base, base.n_ctx, {}, data);
+#elif LP_HAS_SERVER_SCHEMA
             task_params tp = server_schema::eval_llama_cmpl_schema(vocab, base, {}, data);
+#else
+            task_params tp = server_task::params_from_json_cmpl(vocab, base, base.n_ctx, {}, data);
+#endif
             return tp.chat_parser_params;
         });
         model_ = std::move(model);
@@ -99,7 +113,7 @@ class core_output_parser {
             if (msg.empty()) {
                 msg.role = "assistant";
             }
-            return msg.to_json_oaicompat().dump_safe();  // bad UTF-8 replaced, as llama-server's responses
+            return dump_safe(msg.to_json_oaicompat());  // bad UTF-8 replaced, as llama-server's responses
         });
         return json_text_to_py(out);
     }
@@ -114,7 +128,7 @@ class core_output_parser {
             for (const auto & d : diffs) {
                 arr.push_back(server_chat_msg_diff_to_json_oaicompat(d));
             }
-            return arr.dump_safe();
+            return dump_safe(arr);
         });
         return json_text_to_py(out);
     }
@@ -145,7 +159,14 @@ class core_output_parser {
     std::shared_ptr<core_model> model_;
 };
 
+#endif  // LP_HAS_PARSE
+
+// without the server's request schema and task code in the tree there is no OutputParser;
+// the Python layer then raises FeatureError (llamaprompt.features["parse"] is False)
 void register_parse(py::module_ & m) {
+#if !LP_HAS_PARSE
+    (void) m;
+#else
     py::class_<core_output_parser>(m, "OutputParser")
         .def(py::init<const std::string &, const std::vector<std::string> &, std::shared_ptr<core_model>,
                       const std::string &, std::optional<bool>, bool>(),
@@ -156,6 +177,7 @@ void register_parse(py::module_ & m) {
         .def("message", &core_output_parser::message)
         .def("reset", &core_output_parser::reset)
         .def("settings", &core_output_parser::settings);
+#endif
 }
 
 }  // namespace llamaprompt

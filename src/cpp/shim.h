@@ -60,6 +60,9 @@ class scoped_handler {
 // an unknown key throws std::invalid_argument.
 void templates_set_caps(common_chat_templates * tmpls, const std::map<std::string, bool> & caps);
 
+// The chat_template_caps keys of this tree, as jinja::caps::to_map() names them (GET /props).
+std::vector<std::string> caps_keys();
+
 // Set the private common_chat_templates::add_bos/add_eos, which upstream fills only
 // from a model's vocab (llama_vocab_get_add_bos/eos) in common_chat_templates_init.
 void templates_set_add_bos_eos(common_chat_templates * tmpls, bool add_bos, bool add_eos);
@@ -102,6 +105,11 @@ common_chat_templates_inputs request_inputs(json body, const server_chat_params 
 // exiting, without LLAMA_ARG_* environment variables, and rejecting flags that load a
 // model, a projector or a template or that print and exit. Throws std::invalid_argument.
 common_params parse_server_args(const std::vector<std::string> & args);
+
+// What llama-server's argument parser says of `--chat-template NAME` (with `--no-jinja` unless
+// use_jinja): its error message (common_params_parse_ex checks common_chat_verify_template), or
+// "" when it accepts the name.
+std::string check_chat_template_arg(const std::string & name, bool use_jinja);
 
 // ---- shim_server.cpp -------------------------------------------------------
 

@@ -20,12 +20,11 @@ namespace {
 
 // flags whose handlers print something and call exit(), only print usage, or change the
 // process-wide llama.cpp log (which llamaprompt routes to Python's logging)
+// (third_party/adapt_tree.py checks at configure time that every flag of the tree whose handler
+// calls exit() is listed)
 const std::set<std::string> & exiting_flags() {
     static const std::set<std::string> flags = {
-        "-h", "--help", "--usage", "--version", "--completion-bash",
-        "-cl", "--cache-list", "--list-devices",
-        "--log-file", "--log-disable", "--log-colors", "--log-prefix", "--no-log-prefix", "--log-timestamps",
-        "--no-log-timestamps", "-v", "--verbose", "--log-verbose", "-lv", "--verbosity", "--log-verbosity",
+#include "server_args_refused.inc"
     };
     return flags;
 }
@@ -38,18 +37,8 @@ std::string normalized_flag(std::string arg) {
     return arg;
 }
 
-}  // namespace
-
-common_params parse_server_args(const std::vector<std::string> & args) {
-    for (const auto & a : args) {
-        const std::string flag = normalized_flag(a);
-        if (exiting_flags().count(flag)) {
-            throw std::invalid_argument("server_args: " + a +
-                                        " prints and exits, or changes llama.cpp's process-wide log; it is not "
-                                        "accepted here (llama.cpp's log goes to logging.getLogger(\"llamaprompt\"))");
-        }
-    }
-
+// common_params_parse_ex for LLAMA_EXAMPLE_SERVER on these flags, without LLAMA_ARG_* variables
+common_params run_parser(const std::vector<std::string> & args) {
     common_params params;
     common_params_context ctx = common_params_parser_init(params, LLAMA_EXAMPLE_SERVER, nullptr);
     // common_params_parse_ex starts by setting the log threshold from params.verbosity:
@@ -76,8 +65,35 @@ common_params parse_server_args(const std::vector<std::string> & args) {
     } catch (const std::exception & e) {
         throw std::invalid_argument(e.what());
     }
+    return ctx.params;
+}
 
-    const common_params & p = ctx.params;
+}  // namespace
+
+std::string check_chat_template_arg(const std::string & name, bool use_jinja) {
+    std::vector<std::string> args = {"--chat-template", name};
+    if (!use_jinja) {
+        args.push_back("--no-jinja");
+    }
+    try {
+        run_parser(args);
+    } catch (const std::exception & e) {
+        return e.what();
+    }
+    return "";
+}
+
+common_params parse_server_args(const std::vector<std::string> & args) {
+    for (const auto & a : args) {
+        const std::string flag = normalized_flag(a);
+        if (exiting_flags().count(flag)) {
+            throw std::invalid_argument("server_args: " + a +
+                                        " prints and exits, or changes llama.cpp's process-wide log; it is not "
+                                        "accepted here (llama.cpp's log goes to logging.getLogger(\"llamaprompt\"))");
+        }
+    }
+
+    const common_params p = run_parser(args);
     auto model_given = [](const common_params_model & m) {
         return !m.path.empty() || !m.url.empty() || !m.hf_repo.empty() || !m.docker_repo.empty();
     };

@@ -11,6 +11,7 @@
 #include "log.h"
 #include "peg-parser.h"
 #include "shim.h"
+#include "tree.h"
 
 #include <cstdint>
 #include <ctime>
@@ -201,7 +202,9 @@ void templates_set_caps(common_chat_templates * tmpls, const std::map<std::strin
         {"supports_system_role", &jinja::caps::supports_system_role},
         {"supports_parallel_tool_calls", &jinja::caps::supports_parallel_tool_calls},
         {"supports_preserve_reasoning", &jinja::caps::supports_preserve_reasoning},
+#if LP_HAS_CAPS_REASONING_EFFORT
         {"supports_reasoning_effort", &jinja::caps::supports_reasoning_effort},
+#endif
         {"supports_string_content", &jinja::caps::supports_string_content},
         {"supports_typed_content", &jinja::caps::supports_typed_content},
         {"supports_object_arguments", &jinja::caps::supports_object_arguments},
@@ -219,6 +222,14 @@ void templates_set_caps(common_chat_templates * tmpls, const std::map<std::strin
             t->caps.*(members.at(name)) = value;
         }
     }
+}
+
+std::vector<std::string> caps_keys() {
+    std::vector<std::string> keys;
+    for (const auto & [name, value] : jinja::caps{}.to_map()) {
+        keys.push_back(name);
+    }
+    return keys;
 }
 
 const common_chat_template & templates_pick(const common_chat_templates * tmpls, bool with_tools) {

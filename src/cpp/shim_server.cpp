@@ -111,21 +111,23 @@ server_chat_params make_server_chat_params(const common_params & params, common_
     const bool template_supports_thinking =
         params.use_jinja && common_chat_templates_support_enable_thinking(tmpls.get());
     const bool enable_thinking = params.enable_reasoning != 0 && template_supports_thinking;
-    server_chat_params out = {
-        /* use_jinja             */ params.use_jinja,
-        /* prefill_assistant     */ params.prefill_assistant,
-        /* reasoning_format      */ params.reasoning_format,
-        /* chat_template_kwargs  */ params.default_template_kwargs,
-        /* tmpls                 */ std::move(tmpls),
-        /* allow_image           */ true,
-        /* allow_audio           */ true,
-        /* allow_video           */ true,
-        /* enable_thinking       */ enable_thinking,
-        /* reasoning_budget      */ params.sampling.reasoning_budget_tokens,
-        /* reasoning_budget_msg  */ params.sampling.reasoning_budget_message,
-        /* media_path            */ params.media_path,
-        /* force_pure_content    */ params.force_pure_content_parser,
-    };
+    // member by member, by name (a member added upstream keeps its default here, and
+    // third_party/adapt_tree.py fails configuration when server-context.cpp's initializer --
+    // its members and the expressions they come from -- is no longer the one mirrored here)
+    server_chat_params out{};
+    out.use_jinja = params.use_jinja;
+    out.prefill_assistant = params.prefill_assistant;
+    out.reasoning_format = params.reasoning_format;
+    out.chat_template_kwargs = params.default_template_kwargs;
+    out.tmpls = std::move(tmpls);
+    out.allow_image = true;
+    out.allow_audio = true;
+    out.allow_video = true;
+    out.enable_thinking = enable_thinking;
+    out.reasoning_budget = params.sampling.reasoning_budget_tokens;
+    out.reasoning_budget_message = params.sampling.reasoning_budget_message;
+    out.media_path = params.media_path;
+    out.force_pure_content = params.force_pure_content_parser;
     return out;
 }
 

@@ -116,9 +116,19 @@ json chat_params_to_json(const common_chat_params & p) {
     out["generation_prompt"] = p.generation_prompt;
     out["supports_thinking"] = p.supports_thinking;
     out["thinking_start_tag"] = p.thinking_start_tag;
+#if LP_HAS_THINKING_END_TAGS
     out["thinking_end_tags"] = p.thinking_end_tags;
+#else
+    // this tree's common_chat_params has one thinking_end_tag: reported as a list of it
+    out["thinking_end_tags"] = p.thinking_end_tag.empty() ? std::vector<std::string>{}
+                                                           : std::vector<std::string>{p.thinking_end_tag};
+#endif
     out["parser"] = p.parser;
+#if LP_HAS_MESSAGE_DELIMITERS
     out["message_delimiters"] = p.message_delimiters.to_json();
+#else
+    out["message_delimiters"] = nullptr;  // not in this tree's common_chat_params
+#endif
     return out;
 }
 
@@ -315,7 +325,7 @@ class core_template {
             result["chat_params"] = chat_params_to_json(res.chat_params);
             // which path common_chat_templates_apply_jinja took (for describe())
             result["specialized_handler"] = st.specialized_used;
-            return out_t{result.dump_safe(), res.chat_params.prompt, res.chat_params.generation_prompt};
+            return out_t{dump_safe(result), res.chat_params.prompt, res.chat_params.generation_prompt};
         });
         // a template can cut a multi-byte character: the prompts keep their bytes (as
         // surrogate escapes, like apply_template's) where JSON could not carry them
@@ -341,7 +351,7 @@ class core_template {
             return budgeted(limits_, [&]() {
                 common_chat_templates_inputs inputs = request_inputs(std::move(body), opt_, call_);
                 const bool with_tools = !inputs.tools.empty();
-                return render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)).dump_safe();
+                return dump_safe(render_messages(inputs.messages, templates_pick(opt_.tmpls.get(), with_tools)));
             });
         });
         return json_text_to_py(out);

@@ -6,7 +6,7 @@
 
 #include <pybind11/pybind11.h>
 
-#include "json.h"
+#include "tree.h"
 
 #include <string>
 
@@ -26,7 +26,7 @@ inline pybind11::object json_text_to_py(const std::string & s) {
 
 // bad UTF-8 in strings is replaced, as llama-server's JSON responses do (safe_json_to_str)
 inline pybind11::object json_to_py(const common_json & j) {
-    return json_text_to_py(j.dump_safe());
+    return json_text_to_py(dump_safe(j));
 }
 
 }  // namespace llamaprompt

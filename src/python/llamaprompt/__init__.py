@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import logging as _logging
 
-from ._core import LLAMA_CPP_COMMIT
 from ._version import __version__
-from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
+from .errors import Error, FeatureError, GGUFError, RequestError, ServerArgsError, TemplateError
 from .gguf import gguf_metadata
 from .hooks import register_hook, registered_hooks, unregister_hook
 from .legacy import builtin_template_names, llama_chat_apply_template
 from .params import ChatParams
 from .pinned import pinned_template, pinned_templates
 from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+from .tree import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, features, tree_info
 
 # llama.cpp's log lines reach logging.getLogger("llamaprompt.llama_cpp"); silent unless the
 # application configures logging (the library convention: a NullHandler on our logger)
@@ -30,6 +30,10 @@ _logging.getLogger("llamaprompt").addHandler(_logging.NullHandler())
 
 __all__ = [
     "LLAMA_CPP_COMMIT",
+    "LLAMA_CPP_SOURCE",
+    "features",
+    "tree_info",
+    "FeatureError",
     "__version__",
     "ChatTemplate",
     "ChatParams",

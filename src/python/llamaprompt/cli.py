@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import LLAMA_CPP_COMMIT, __version__
+from . import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, __version__
 from .errors import Error, RequestError
 from .gguf import gguf_metadata
 from .pinned import DEFAULT_TEMPLATE, pinned_template, pinned_templates
@@ -114,7 +114,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="llama-server flags go after --, e.g.: llamaprompt render -t T.jinja req.json -- --reasoning off",
     )
     parser.add_argument(
-        "--version", action="version", version=f"llamaprompt {__version__} (llama.cpp {LLAMA_CPP_COMMIT})"
+        "--version",
+        action="version",
+        version=f"llamaprompt {__version__} (llama.cpp {LLAMA_CPP_COMMIT}, {LLAMA_CPP_SOURCE})",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -622,6 +624,12 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         return 0
     if args.command == "check":
         doc = fx.load_fixtures(args.fixtures)
+        made_with = str(doc.get("llama_cpp_commit") or "unknown")
+        if not (made_with[:9] == LLAMA_CPP_COMMIT[:9] and made_with != "unknown"):
+            print(
+                f"note: these fixtures were made with llama.cpp {made_with}; this build is llama.cpp "
+                f"{LLAMA_CPP_COMMIT} ({LLAMA_CPP_SOURCE}): differences below may be llama.cpp's own changes"
+            )
         result = fx.check_fixtures(doc, mask=args.mask_dates, progress=False if args.no_progress else None)
         for line in result.describe():
             print(line)

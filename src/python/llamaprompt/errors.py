@@ -12,13 +12,15 @@ answer an HTTP request with an error, that HTTP status:
 - :class:`ServerArgsError` -- a ``server_args`` flag that llama.cpp's argument parser
   rejects, or that llamaprompt does not accept (model/template loading, print-and-exit).
 - :class:`GGUFError` -- a GGUF file that llama.cpp cannot read.
+- :class:`FeatureError` -- the llama.cpp tree this module was built from does not have
+  what the call needs (``llamaprompt.features`` says what it has).
 
 The class follows the status, whatever the cause (tools/server/server.cpp ``ex_wrapper``).
 """
 
 from __future__ import annotations
 
-__all__ = ["Error", "RequestError", "TemplateError", "ServerArgsError", "GGUFError"]
+__all__ = ["Error", "RequestError", "TemplateError", "ServerArgsError", "GGUFError", "FeatureError"]
 
 
 class Error(Exception):
@@ -59,3 +61,10 @@ class ServerArgsError(Error, ValueError):
 
 class GGUFError(Error, OSError):
     """A GGUF file that llama.cpp cannot open or read."""
+
+
+class FeatureError(Error, NotImplementedError):
+    """The llama.cpp tree llamaprompt was built from lacks the upstream code this call needs.
+
+    The message names the feature and the llama.cpp commit; ``llamaprompt.features`` lists
+    what the build has. Never raised on the pinned tree."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import LLAMA_CPP_COMMIT, __version__
+from . import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, __version__
 from .errors import Error
 from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
 
@@ -132,6 +132,7 @@ def render_fixtures(
         "schema": SCHEMA_ID,
         "schema_version": SCHEMA_VERSION,
         "llama_cpp_commit": LLAMA_CPP_COMMIT,
+        "llama_cpp_source": LLAMA_CPP_SOURCE,
         "llamaprompt_version": __version__,
         "rendered_on": _dt.date.today().isoformat(),
         "options": {

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _core
 from .template import _utf8
+from .tree import require
 
 if TYPE_CHECKING:
     from .params import ChatParams
@@ -20,6 +21,7 @@ def output_parser(
 ) -> _core.OutputParser:
     """The C++ parser for one request: its llama_params through llama-server's
     ``eval_llama_cmpl_schema`` (defaults from the template's server_args)."""
+    require("parse", "parsing model output")
     origin = params._origin
     if origin is None:
         raise ValueError("this ChatParams was not produced by ChatTemplate.apply()")

@@ -49,17 +49,9 @@ def _path(path: Any) -> str:
 
 
 _HANDLERS = ("auto", "autoparser", "pure_content")
-_CAPS_KEYS = (
-    "supports_tools",
-    "supports_tool_calls",
-    "supports_system_role",
-    "supports_parallel_tool_calls",
-    "supports_preserve_reasoning",
-    "supports_reasoning_effort",
-    "supports_string_content",
-    "supports_typed_content",
-    "supports_object_arguments",
-)
+#: The chat_template_caps keys of the llama.cpp tree this module was built from
+#: (jinja::caps::to_map(); 9 keys on the pin, 8 on trees without supports_reasoning_effort)
+_CAPS_KEYS = tuple(_core.CAPS_KEYS)
 
 
 def _server_args(server_args: Sequence[str], handler: str) -> list[str]:
@@ -164,7 +156,7 @@ def _body(request: Request) -> bytes:
 class ChatTemplate:
     """A chat template as llama-server loads it with ``--jinja --chat-template-file``.
 
-    Every decision is llama.cpp's (pinned commit: :data:`llamaprompt.LLAMA_CPP_COMMIT`):
+    Every decision is llama.cpp's (the tree the module was built from: :data:`llamaprompt.LLAMA_CPP_COMMIT`):
     the template is parsed by ``common_chat_templates_init``, requests go through the
     server's ``oaicompat_chat_params_parse`` and ``common_chat_templates_apply``.
 
@@ -409,11 +401,10 @@ class ChatTemplate:
         Takes the constructor's keyword options (``--no-jinja`` is added to server_args).
         Raises TemplateError for a name llama.cpp does not know.
         """
-        if not _core.verify_template(_utf8(name), False):
-            raise TemplateError(
-                f"error: the supplied chat template is not supported: {name}\n"
-                "note: llama.cpp was started without --jinja, we only support commonly used templates"
-            )
+        # llama-server's own check of `--no-jinja --chat-template NAME`, and its message
+        refusal = _core.check_chat_template_arg(_utf8(name), False)
+        if refusal:
+            raise TemplateError(refusal.rstrip("\n"))
         args = [*options.pop("server_args", ()), "--no-jinja"]
         return cls(name, server_args=args, **options)
 
@@ -479,7 +470,8 @@ class ChatTemplate:
         ``autoparser`` produced the params (for each), ``caps`` in force and
         ``detected_caps``, ``supports_thinking``, ``thinking_start_tag``/``thinking_end_tags``,
         the template variant requests with tools use (``"tool_use"`` or ``"default"``),
-        ``use_jinja`` and ``server_args``.
+        ``use_jinja`` and ``server_args``, and the llama.cpp tree that decided it
+        (``llama_cpp_commit``, ``llama_cpp_source``).
 
         Raises what :meth:`apply` raises for the probe requests (a user turn; the same
         with one tool) when the template cannot render them; the error text is then kept
@@ -497,6 +489,8 @@ class ChatTemplate:
             }
         ]
         out: dict[str, Any] = {
+            "llama_cpp_commit": _core.LLAMA_CPP_COMMIT,
+            "llama_cpp_source": _core.LLAMA_CPP_SOURCE,
             "handler": self.handler,
             "use_jinja": bool(self._core.use_jinja()),
             "server_args": list(self._core_server_args),  # incl. what handler= adds

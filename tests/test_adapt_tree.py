@@ -1,0 +1,134 @@
+"""third_party/adapt_tree.py, the configure-time probe: it adapts to what a tree has and fails
+loudly -- naming the file and the text -- when a rewrite target moved or upstream logic that
+llamaprompt restates changed. Exercised on a copy of the tree this module was built from,
+edited the way upstream might edit it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import llamaprompt
+from conftest import REPO
+
+SCRIPT = REPO / "third_party" / "adapt_tree.py"
+
+
+def _source_tree() -> Path:
+    for cand in (llamaprompt.tree_info().get("tree_dir"), REPO / "third_party" / "llama.cpp"):
+        if cand and (Path(cand) / "common" / "chat.cpp").is_file():
+            return Path(cand)
+    pytest.skip("no llama.cpp tree on disk (the build fills third_party/llama.cpp)")
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    src = _source_tree()
+    dst = tmp_path / "tree"
+    shutil.copytree(src / "common", dst / "common")
+    (dst / "tools" / "server").mkdir(parents=True)
+    for f in (src / "tools" / "server").glob("*.[ch]*"):
+        if f.is_file():
+            shutil.copy(f, dst / "tools" / "server" / f.name)
+    (dst / "src").mkdir()
+    shutil.copy(src / "src" / "llama-vocab.cpp", dst / "src")
+    return dst
+
+
+def _run(tree: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(tree), str(tmp_path / "out")],
+                          capture_output=True, text=True)
+
+
+def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
+    text = path.read_text()
+    assert text.count(old) >= count, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new))
+
+
+def test_unchanged_tree_configures_with_the_built_features(tree, tmp_path):
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
+    info = json.loads(json.loads(header.split("LP_TREE_INFO_JSON ", 1)[1].strip()))
+    # the module was built by this very probe from the same files
+    assert info["features"] == llamaprompt.features
+    assert all(r["applied"] or "skipped" in r for r in info["rewrites"])
+    assert (tmp_path / "out" / "generated" / "chat.cpp").read_text().count("llamaprompt_analyze_template(") == 1
+
+
+def test_moved_call_site_fails_with_file_and_text(tree, tmp_path):
+    _edit(tree / "common" / "chat.cpp", "autoparser.analyze_template(tmpl)", "autoparser.analyze_template(tmpl, 1)")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "common/chat.cpp" in proc.stderr and "'autoparser.analyze_template(tmpl)' not found" in proc.stderr
+
+
+def test_pattern_count_is_exact(tree, tmp_path):
+    path = tree / "common" / "jinja" / "runtime.cpp"
+    path.write_text(path.read_text() + "\n// res->val_str.append(str)\n")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "occurs 2 times, expected 1" in proc.stderr and "common/jinja/runtime.cpp" in proc.stderr
+
+
+def test_rewrite_of_absent_code_is_skipped_with_what_is_lost(tree, tmp_path):
+    path = tree / "common" / "arg.cpp"
+    text = path.read_text()
+    if "common_params_apply_system_config(" not in text:
+        pytest.skip("this tree has no config.ini support to remove")
+    path.write_text(text.replace("common_params_apply_system_config", "removed_upstream_function"))
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cmake = (tmp_path / "out" / "lp_tree.cmake").read_text()
+    assert "rewrite skipped (lost: nothing: this tree's argument parser reads no config.ini files)" in cmake
+
+
+def test_server_chat_params_drift_fails(tree, tmp_path):
+    _edit(tree / "tools" / "server" / "server-context.cpp", "/* media_path            */ params_base.media_path",
+          "/* media_path            */ params_base.media_dir")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "server-context.cpp" in proc.stderr and "media_path=params_base.media_dir" in proc.stderr
+
+
+def test_new_generation_params_field_fails(tree, tmp_path):
+    _edit(tree / "common" / "chat-auto-parser.h", "    json                                  extra_context;",
+          "    json                                  extra_context;\n    bool new_upstream_flag = false;")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "generation_params fields changed (new: ['new_upstream_flag']" in proc.stderr
+
+
+def test_flag_that_exits_must_be_refused(tree, tmp_path):
+    path = tree / "common" / "arg.cpp"
+    text = path.read_text()
+    anchor = "    add_opt(common_arg(\n"
+    assert anchor in text
+    extra = ('    add_opt(common_arg(\n        {"--print-something"},\n        "print and exit",\n'
+             '        [](common_params &) {\n            exit(0);\n        }\n    ));\n')
+    path.write_text(text.replace(anchor, extra + anchor, 1))
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "--print-something call exit()" in proc.stderr and "server_args_refused.inc" in proc.stderr
+
+
+def test_vocab_assert_drift_fails(tree, tmp_path):
+    _edit(tree / "src" / "llama-vocab.cpp", 'word = "[EMPTY_" + std::to_string(i) + "]";',
+          'word = "<EMPTY_" + std::to_string(i) + ">";')
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "src/llama-vocab.cpp" in proc.stderr and "[EMPTY_" in proc.stderr
+
+
+def test_missing_both_thinking_tag_shapes_fails(tree, tmp_path):
+    path = tree / "common" / "chat.h"
+    text = path.read_text().replace("thinking_end_tags;", "closing_tags;").replace("thinking_end_tag;", "closing_tag;")
+    path.write_text(text)
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1 and "thinking_end_tag" in proc.stderr

@@ -1,0 +1,408 @@
+"""Probe a llama.cpp source tree and prepare what llamaprompt compiles from it.
+
+Run by CMakeLists.txt at configure time (standard library only):
+
+    python third_party/adapt_tree.py TREE OUT_DIR
+
+It decides by what the tree *has* (files, declarations, exact call sites), never by a
+version number, and fails loudly -- exit status 1, naming the file and the text -- rather
+than let the build compile something that behaves differently:
+
+* features: which optional upstream pieces exist (the `supports_reasoning_effort` cap,
+  `thinking_end_tags` vs `thinking_end_tag`, `message_delimiters`, the server's request
+  schema, llama.cpp's JSON wrapper ...). Written as macros to OUT_DIR/generated/lp_tree.h
+  and as JSON (``llamaprompt.features``).
+* rewrites: the few call sites renamed in build-tree copies of upstream files (the rest of
+  each file is byte for byte upstream's). Each pattern must occur exactly as often as
+  stated. A rewrite whose target is missing is skipped, with a message saying what is lost,
+  only when the tree lacks what it guards altogether; if the guarded code is there but the
+  pattern has moved, configuration fails.
+* drift checks: upstream logic that llamaprompt's own code restates (how llama-server
+  fills ``server_chat_params``, the flags whose handlers exit, the vocab conditions that
+  llama.cpp asserts, the fields the parser-inputs key covers, the prompt-only path's
+  first step). The restated text must still be in the tree, else configuration fails.
+
+OUT_DIR/lp_tree.cmake receives the extra upstream sources to compile and the messages.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC_CPP = HERE.parent / "src" / "cpp"
+
+
+class TreeError(Exception):
+    """The tree cannot be built faithfully: the message names the file and the text."""
+
+
+def norm(text: str) -> str:
+    """Whitespace-insensitive form of C++ text (for comparing restated code)."""
+    return re.sub(r"\s+", " ", text).strip()
+
+
+@dataclass
+class Tree:
+    root: Path
+
+    def has(self, rel: str) -> bool:
+        return (self.root / rel).is_file()
+
+    def read(self, rel: str) -> str:
+        path = self.root / rel
+        if not path.is_file():
+            raise TreeError(f"{rel}: missing from the llama.cpp tree at {self.root}")
+        return path.read_text(encoding="utf-8", errors="surrogateescape")
+
+    def contains(self, rel: str, text: str) -> bool:
+        return self.has(rel) and norm(text) in norm(self.read(rel))
+
+    def search(self, rel: str, pattern: str) -> re.Match | None:
+        return re.search(pattern, self.read(rel)) if self.has(rel) else None
+
+
+# ---------------------------------------------------------------------------
+# features
+# ---------------------------------------------------------------------------
+
+
+def probe_features(tree: Tree) -> dict[str, dict]:
+    """Each feature: present (bool) and what it is, for llamaprompt.features."""
+    f: dict[str, dict] = {}
+
+    def add(name: str, present: bool, what: str) -> None:
+        f[name] = {"present": bool(present), "what": what}
+
+    add("common_json", tree.has("common/json.h"),
+        "common/json.h: llama.cpp's JSON wrapper common_json (older trees use nlohmann::ordered_json)")
+    add("caps_reasoning_effort", tree.search("common/jinja/caps.h", r"bool\s+supports_reasoning_effort\b"),
+        "common/jinja/caps.h: jinja::caps::supports_reasoning_effort (the 9th chat_template_caps key)")
+    tags = tree.search("common/chat.h", r"std::vector<std::string>\s+thinking_end_tags\s*;")
+    tag = tree.search("common/chat.h", r"std::string\s+thinking_end_tag\s*;")
+    if not tags and not tag:
+        raise TreeError("common/chat.h: common_chat_params has neither 'std::vector<std::string> thinking_end_tags;' "
+                        "nor 'std::string thinking_end_tag;'")
+    add("thinking_end_tags", tags,
+        "common/chat.h: common_chat_params::thinking_end_tags (a list; older trees have one thinking_end_tag)")
+    add("message_delimiters", tree.search("common/chat.h", r"common_chat_msg_delimiters\s+message_delimiters\s*;"),
+        "common/chat.h: common_chat_params::message_delimiters")
+    schema = tree.has("tools/server/server-schema.cpp")
+    add("server_schema", schema,
+        "tools/server/server-schema.cpp: server_schema::eval_llama_cmpl_schema (request -> task parameters)")
+    if schema:
+        decl = tree.search("tools/server/server-schema.h", r"task_params\s+eval_llama_cmpl_schema\s*\(([^;]*)\)\s*;")
+        if not decl:
+            raise TreeError("tools/server/server-schema.h: no declaration 'task_params eval_llama_cmpl_schema(...);'")
+        slot = "n_ctx_slot" in decl.group(1)
+        task = False
+    else:
+        decl = tree.search("tools/server/server-task.h",
+                           r"static\s+task_params\s+params_from_json_cmpl\s*\(([^;]*)\)\s*;")
+        slot = bool(decl) and "n_ctx_slot" in decl.group(1)
+        task = bool(decl)
+    add("cmpl_schema_n_ctx_slot", slot, "the request-schema function takes an n_ctx_slot argument")
+    add("server_task_params", task,
+        "tools/server/server-task.h: server_task::params_from_json_cmpl (before server-schema.cpp existed)")
+    parse_sources = ["tools/server/server-task.cpp", "tools/server/server-chat.cpp"]
+    add("parse", (schema or task) and all(tree.has(s) for s in parse_sources),
+        "parse of model output as llama-server does (request schema + task_result_state)")
+    add("vocab_test_tokenizer", tree.contains("src/llama-vocab.cpp", 'tokenizer_model == "test"'),
+        "src/llama-vocab.cpp: the 'test' tokenizer")
+    return f
+
+
+# features whose absence means llamaprompt gives less on this tree (the others only say which
+# shape of an upstream interface the bindings compile for)
+LOSSES = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse"]
+
+
+# ---------------------------------------------------------------------------
+# rewrites
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Edit:
+    old: str
+    new: str
+    count: int = 1
+    # (file, text): the code this edit guards; when absent from the tree the edit is skipped
+    requires: tuple[str, str] | None = None
+    lost: str = ""  # what a tree without it loses (the configure message)
+
+
+@dataclass
+class Rewrite:
+    rel: str  # upstream file
+    out: str  # generated copy's name
+    edits: list[Edit]
+
+
+REWRITES = [
+    # get_media_marker() is per template (src/cpp/shim_server.cpp), not once per process
+    Rewrite("tools/server/server-common.cpp", "server-common.cpp", [
+        Edit("const char * get_media_marker() {", "const char * llamaprompt_upstream_get_media_marker() {"),
+    ]),
+    # handler choice, analysis cache, prompt-only path, debug-only parser load (src/cpp/shim_chat.cpp)
+    Rewrite("common/chat.cpp", "chat.cpp", [
+        Edit("if (auto result = common_chat_try_specialized_template(tmpl, src, params)) {",
+             "if (auto result = llamaprompt_try_specialized_template(tmpl, src, params)) {"),
+        Edit("autoparser.analyze_template(tmpl)", "llamaprompt_analyze_template(autoparser, tmpl)"),
+        Edit("autoparser::peg_generator::generate_parser(tmpl, params, autoparser)",
+             "llamaprompt_generate_parser(tmpl, params, autoparser)"),
+        Edit("arena.load(auto_params.parser)", "llamaprompt_load_parser(arena, auto_params.parser)"),
+    ]),
+    # execution budgets of the Jinja engine (src/cpp/jinja_guard.h)
+    Rewrite("common/jinja/runtime.cpp", "jinja-runtime.cpp", [
+        Edit("return execute_impl(ctx)", "return llamaprompt::jinja_guard_step(), execute_impl(ctx)"),
+        Edit("res->val_str.append(str)", "llamaprompt_repeat_append(res->val_str, str, repeat)"),
+        Edit("auto output = left_val->as_string().append(right_val->as_string())",
+             "auto output = (llamaprompt_concat_guard(left_val, right_val), "
+             "left_val->as_string().append(right_val->as_string()))"),
+        Edit("auto output = left_str.append(right_str)",
+             "auto output = (llamaprompt_concat_guard(left_str, right_str), left_str.append(right_str))"),
+        Edit("auto & right_arr = right_val->as_array()",
+             "auto & right_arr = (llamaprompt_list_concat_guard(left_arr, right_val->as_array()), "
+             "right_val->as_array())"),
+    ]),
+    Rewrite("common/jinja/parser.cpp", "jinja-parser.cpp", [
+        Edit("return parse_jinja_statement()", "return llamaprompt::jinja_guard_step(), parse_jinja_statement()"),
+        Edit("return parse_if_expression()", "return llamaprompt::jinja_guard_step(), parse_if_expression()"),
+        Edit("auto false_expr = parse_if_expression()",
+             "auto false_expr = (llamaprompt::jinja_guard_step(), parse_if_expression())"),
+        Edit("op, parse_logical_negation_expression())",
+             "op, (llamaprompt::jinja_guard_step(), parse_logical_negation_expression()))"),
+        Edit("op, parse_unary_expression())",
+             "op, (llamaprompt::jinja_guard_step(), parse_unary_expression()))",
+             requires=("common/jinja/parser.cpp", "statement_ptr parse_unary_expression()"),
+             lost="nothing: this tree's Jinja parser has no unary-expression rule (unary +/- chains), "
+                  "so there is no such recursion to guard"),
+    ]),
+    Rewrite("common/jinja/value.cpp", "jinja-value.cpp", [
+        Edit("out->push_back(mk_val<value_int>(i))", "llamaprompt_range_push(out, i)", count=2),
+        Edit("result += val_arr->as_string().str()",
+             "result += llamaprompt_sized(result.size(), val_arr->as_string().str())"),
+        Edit("str.replace(pos, old_str.length(), new_str)",
+             "str.replace(pos, old_str.length(), llamaprompt_sized(str.size(), new_str))"),
+        Edit("new_res.reserve(str.length() + new_str.length() * (str.length() + 1))",
+             "new_res.reserve(llamaprompt_sized(0, str.length() + new_str.length() * (str.length() + 1)))"),
+        Edit("    return mk_val<value_string>(json_str)",
+             "    return mk_val<value_string>(llamaprompt_sized(0, json_str))"),
+    ]),
+    # the one stderr print of json-schema-to-grammar goes to the log (src/cpp/shim_json_schema.cpp)
+    Rewrite("common/json-schema-to-grammar.cpp", "json-schema-to-grammar.cpp", [
+        Edit('fprintf(stderr, "WARNING: JSON schema conversion was incomplete',
+             'llamaprompt_log_warning(stderr, "WARNING: JSON schema conversion was incomplete'),
+    ]),
+    # no config.ini files applied to a library call (src/cpp/shim_arg.cpp)
+    Rewrite("common/arg.cpp", "arg.cpp", [
+        Edit("common_params_apply_system_config(params, ctx_arg.ex)",
+             "llamaprompt_no_system_config(params, ctx_arg.ex)",
+             requires=("common/arg.cpp", "common_params_apply_system_config("),
+             lost="nothing: this tree's argument parser reads no config.ini files"),
+    ]),
+]
+
+
+def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str]) -> list[dict]:
+    applied = []
+    for rw in REWRITES:
+        text = tree.read(rw.rel)
+        for e in rw.edits:
+            n = text.count(e.old)
+            record = {"file": rw.rel, "pattern": e.old, "applied": False}
+            if n == e.count:
+                text = text.replace(e.old, e.new)
+                record["applied"] = True
+            elif n == 0 and e.requires and not tree.contains(*e.requires):
+                notes.append(f"{rw.rel}: '{e.old}' is not in this tree, nor '{e.requires[1]}' that it guards; "
+                             f"rewrite skipped (lost: {e.lost})")
+                record["skipped"] = e.lost
+            elif n == 0:
+                guarded = f" (while '{e.requires[1]}', the code it guards, is there)" if e.requires else ""
+                raise TreeError(f"{rw.rel}: '{e.old}' not found{guarded}: the call site has moved or changed, "
+                                "and llamaprompt must be adapted to this tree")
+            else:
+                raise TreeError(f"{rw.rel}: '{e.old}' occurs {n} times, expected {e.count}: "
+                                "llamaprompt must be adapted to this tree")
+            applied.append(record)
+        target = out_dir / "generated" / rw.out
+        if not target.exists() or target.read_text(encoding="utf-8", errors="surrogateescape") != text:
+            target.write_text(text, encoding="utf-8", errors="surrogateescape")
+    return applied
+
+
+# ---------------------------------------------------------------------------
+# drift checks: upstream logic restated in llamaprompt's code
+# ---------------------------------------------------------------------------
+
+# src/cpp/shim_server.cpp make_server_chat_params mirrors server-context.cpp's load_model():
+# each server_chat_params member and the expression it is filled from (allow_* are what a
+# loaded vision+audio projector reports: the reference fixtures were made with one)
+SERVER_CHAT_PARAMS = [
+    ("use_jinja", "params_base.use_jinja"),
+    ("prefill_assistant", "params_base.prefill_assistant"),
+    ("reasoning_format", "params_base.reasoning_format"),
+    ("chat_template_kwargs", "params_base.default_template_kwargs"),
+    ("tmpls", "std::move(chat_templates)"),
+    ("allow_image", "mctx ? mtmd_support_vision(mctx) : false"),
+    ("allow_audio", "mctx ? mtmd_support_audio (mctx) : false"),
+    ("allow_video", "mctx ? mtmd_helper_support_video(mctx) : false"),
+    ("enable_thinking", "enable_thinking"),
+    ("reasoning_budget", "params_base.sampling.reasoning_budget_tokens"),
+    ("reasoning_budget_msg", "params_base.sampling.reasoning_budget_message"),
+    ("media_path", "params_base.media_path"),
+    ("force_pure_content", "params_base.force_pure_content_parser"),
+]
+SERVER_THINKING = [
+    "const bool template_supports_thinking = params_base.use_jinja && "
+    "common_chat_templates_support_enable_thinking(chat_templates.get());",
+    "enable_thinking = params_base.enable_reasoning != 0 && template_supports_thinking;",
+]
+
+# src/cpp/shim_chat.cpp parser_inputs_key: autoparser::generation_params fields it covers, and
+# those it leaves out on purpose
+KEYED_FIELDS = {"tools", "tool_choice", "json_schema", "parallel_tool_calls", "reasoning_format", "stream",
+                "grammar", "add_generation_prompt", "continue_final_message", "enable_thinking", "extra_context",
+                "add_bos", "add_eos", "is_inference", "add_inference", "mark_input"}
+UNKEYED_FIELDS = {
+    "messages": "reach the parser only through the generation prompt, a literal prefix",
+    "continue_msg": "only read with a continuation, which never takes the prompt-only path",
+    "now": "the date: part of the analysis key (the day)",
+}
+
+# src/cpp/model.cpp check_vocab_metadata / check_tokenize: the llama-vocab.cpp code whose
+# asserts they check first. (text, feature that must be present for the check to apply)
+VOCAB_ASSERTS = [
+    ('word = "[EMPTY_" + std::to_string(i) + "]";', None),
+    ("GGML_ASSERT(id_to_token.size() == token_to_id.size());", None),
+    ('GGML_ABORT("invalid token size: %zu exceeds int32_t limit", size);', None),
+    ("output.push_back((llama_token)(hash % n_vocab));", "vocab_test_tokenizer"),
+    ("case LLAMA_VOCAB_TYPE_WPM: { GGML_ABORT(\"fatal error\"); }", None),
+]
+
+
+def server_chat_params_check(tree: Tree) -> None:
+    rel = "tools/server/server-context.cpp"
+    text = tree.read(rel)
+    m = re.search(r"chat_params\s*=\s*\{(.*?)\};", text, re.S)
+    if not m:
+        raise TreeError(f"{rel}: no 'chat_params = {{ ... }};' initializer (server_chat_params) found")
+    got = re.findall(r"/\*\s*(\w+)\s*\*/\s*(.*?)\s*(?:,\s*(?=/\*)|$)", m.group(1).strip(), re.S)
+    got = [(k, norm(v)) for k, v in got]
+    want = [(k, norm(v)) for k, v in SERVER_CHAT_PARAMS]
+    if got != want:
+        raise TreeError(f"{rel}: llama-server fills server_chat_params differently from what "
+                        "src/cpp/shim_server.cpp (make_server_chat_params) mirrors:\n  tree:  "
+                        + "; ".join(f"{k}={v}" for k, v in got) + "\n  ours:  "
+                        + "; ".join(f"{k}={v}" for k, v in want))
+    for line in SERVER_THINKING:
+        if not tree.contains(rel, line):
+            raise TreeError(f"{rel}: '{line}' not found (make_server_chat_params restates it)")
+
+
+def exiting_flags_check(tree: Tree) -> None:
+    rel = "common/arg.cpp"
+    text = tree.read(rel)
+    ours = set(re.findall(r'"([^"]+)"', (SRC_CPP / "server_args_refused.inc").read_text()))
+    missing = []
+    for block in re.split(r"\n\s*add_opt\(", text)[1:]:
+        head = re.match(r"\s*common_arg\(\s*\{([^}]*)\}", block)
+        body = block.split("\n    add_opt(")[0]
+        if head and re.search(r"\bexit\(", body):
+            flags = re.findall(r'"([^"]+)"', head.group(1))
+            if not any(flag in ours for flag in flags):
+                missing.append("/".join(flags))
+    if missing:
+        raise TreeError(f"{rel}: the handlers of {', '.join(missing)} call exit(); they are not in "
+                        "src/cpp/server_args_refused.inc, so a server_args list could end the Python process")
+
+
+def parser_key_check(tree: Tree) -> None:
+    rel = "common/chat-auto-parser.h"
+    m = tree.search(rel, r"(?s)struct generation_params\s*\{(.*?)\n\};")
+    if not m:
+        raise TreeError(f"{rel}: 'struct generation_params {{ ... }};' not found")
+    fields = set(re.findall(r"^\s*[\w:<>,\s]+?\s+(\w+)\s*(?:=[^;]*)?;", m.group(1), re.M))
+    unknown = fields - KEYED_FIELDS - set(UNKEYED_FIELDS)
+    gone = (KEYED_FIELDS | set(UNKEYED_FIELDS)) - fields
+    if unknown or gone:
+        raise TreeError(f"{rel}: autoparser::generation_params fields changed (new: {sorted(unknown)}, "
+                        f"gone: {sorted(gone)}); src/cpp/shim_chat.cpp parser_inputs_key must cover them")
+    rel = "common/chat-auto-parser-generator.cpp"
+    first = "data.prompt = common_chat_template_direct_apply(tmpl, inputs);"
+    body = tree.search(rel, r"(?s)common_chat_params peg_generator::generate_parser\([^)]*\)\s*\{(.{0,1500})")
+    if not body or norm(first) not in norm(body.group(1)):
+        raise TreeError(f"{rel}: generate_parser no longer starts with '{first}' "
+                        "(the prompt-only path of src/cpp/shim_chat.cpp returns exactly that render)")
+
+
+def vocab_check(tree: Tree, features: dict[str, dict]) -> None:
+    rel = "src/llama-vocab.cpp"
+    for text, needs in VOCAB_ASSERTS:
+        if needs and not features[needs]["present"]:
+            continue
+        if not tree.contains(rel, text):
+            raise TreeError(f"{rel}: '{text}' not found; src/cpp/model.cpp checks the condition it asserts "
+                            "before loading a vocab and must be adapted")
+
+
+# ---------------------------------------------------------------------------
+
+
+def cmake_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    tree = Tree(Path(argv[1]))
+    out = Path(argv[2])
+    (out / "generated").mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    try:
+        features = probe_features(tree)
+        rewrites = apply_rewrites(tree, out, notes)
+        server_chat_params_check(tree)
+        exiting_flags_check(tree)
+        parser_key_check(tree)
+        vocab_check(tree, features)
+    except TreeError as e:
+        print(f"llamaprompt: cannot build against the llama.cpp tree at {tree.root}:\n{e}", file=sys.stderr)
+        return 1
+
+    sources = []
+    if features["server_schema"]["present"]:
+        sources.append("tools/server/server-schema.cpp")
+    if features["parse"]["present"]:
+        sources += ["tools/server/server-task.cpp", "tools/server/server-chat.cpp"]
+    for name in LOSSES:
+        if not features[name]["present"]:
+            notes.append(f"this tree has no {features[name]['what']}")
+
+    info = {"features": {k: v["present"] for k, v in features.items()},
+            "feature_docs": {k: v["what"] for k, v in features.items()},
+            "rewrites": rewrites, "notes": notes}
+    header = ["// generated by third_party/adapt_tree.py from the llama.cpp tree's contents", "#pragma once"]
+    for name, f in features.items():
+        header.append(f"#define LP_HAS_{name.upper()} {int(f['present'])}")
+    header.append("#define LP_TREE_INFO_JSON " + json.dumps(json.dumps(info, sort_keys=True)))
+    text = "\n".join(header) + "\n"
+    target = out / "generated" / "lp_tree.h"
+    if not target.exists() or target.read_text() != text:
+        target.write_text(text)
+    cmake = [f"set(LP_TREE_SOURCES {' '.join(sources)})"]
+    cmake += [f"message(STATUS {cmake_str('llamaprompt: ' + n)})" for n in notes]
+    (out / "lp_tree.cmake").write_text("\n".join(cmake) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
