@@ -189,3 +189,22 @@ def test_lone_surrogates_are_typed_or_replaced():
     assert params.parse("a\ud800b", partial=True)["content"] == "a\ufffd\ufffd\ufffdb"
     with pytest.raises(llamaprompt.Error):
         t.apply_template({"messages": [{"role": "user", "content": "a\ud800"}]})
+
+
+def test_batch_renders_log_like_single_ones(caplog):
+    # apply_template_many renders on C++ threads; each render's llama.cpp log lines still reach
+    # logging (the same warning as above, once per request that causes it)
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a+"}}}
+    req = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+    }
+    plain = {"messages": [{"role": "user", "content": "hi"}]}
+    with caplog.at_level("WARNING", logger="llamaprompt.llama_cpp"):
+        out = t.apply_template_many([req, plain, req], threads=2)
+    assert all(isinstance(o, str) for o in out)
+    warnings = [r for r in caplog.records if "JSON schema conversion was incomplete" in r.getMessage()]
+    # the first render of these parser inputs generates the grammar (and warns); the fast path
+    # may then skip generation for the repeat, as apply_template does
+    assert len(warnings) >= 1

@@ -113,6 +113,49 @@ def test_requests_never_crash(request, name):
         assert e.status in (400, 500) and isinstance(e.message, str)
 
 
+# -- the fast path, differentially ---------------------------------------------------------
+# apply_template's prompt-only path (fast_path=True, the default) against llama.cpp's unmodified
+# sequence (fast_path=False), on generated requests over every template the package ships: the
+# same prompt or the same error. Each request is rendered twice on the fast twin, so that the
+# second render takes the prompt-only path once the first built the parser.
+
+SHIPPED = {p.name: p for p in llamaprompt.pinned_templates()}
+_twins: dict = {}
+
+
+def _twin(name):
+    if name not in _twins:
+        try:
+            _twins[name] = (
+                llamaprompt.ChatTemplate.from_file(SHIPPED[name]),
+                llamaprompt.ChatTemplate.from_file(SHIPPED[name], fast_path=False),
+            )
+        except llamaprompt.TemplateError:
+            _twins[name] = None  # not loadable (the same for both paths)
+    return _twins[name]
+
+
+def _outcome(t, body):
+    try:
+        return ("prompt", t.apply_template(body))
+    except llamaprompt.Error as e:
+        return ("error", type(e).__name__, e.status, e.message)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(request=requests, name=st.sampled_from(sorted(SHIPPED)))
+def test_fast_path_matches_unmodified_path(request, name):
+    twins = _twin(name)
+    if twins is None:
+        return
+    fast, full = twins
+    body = request if isinstance(request, dict) else json.dumps(request)
+    expected = _outcome(full, body)
+    event(expected[0])
+    assert _outcome(fast, body) == expected
+    assert _outcome(fast, body) == expected  # now on the prompt-only path where it applies
+
+
 @settings(max_examples=max(20, EXAMPLES // 5), deadline=None, suppress_health_check=list(HealthCheck))
 @given(text=st.binary(max_size=300))
 def test_raw_bodies_never_crash(text):

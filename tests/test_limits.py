@@ -163,17 +163,38 @@ def test_deeply_nested_template_text_raises_at_parse(src):
         llamaprompt.ChatTemplate(src)
 
 
-def test_deeply_nested_model_output_raises():
+def test_deeply_nested_model_output():
     t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     p = t.apply({"messages": [{"role": "user", "content": "x"}], "tools": [tool]})
-    deep = '<tool_call>\n{"name": "f", "arguments": ' + "[" * 10000 + "]" * 10000 + "}\n</tool_call>"
+
+    def call(depth):
+        return '<tool_call>\n{"name": "f", "arguments": {"a": ' + "[" * depth + "]" * depth + "}}\n</tool_call>"
+
+    # 10,000 levels overflowed the 8 MiB stack of the calling thread; the parser now runs on a
+    # 256 MiB stack of its own
+    for depth in (50, 10_000):
+        msg = p.parse(call(depth))
+        assert msg["tool_calls"][0]["function"]["name"] == "f"
+        arguments = msg["tool_calls"][0]["function"]["arguments"]
+        assert arguments.replace(" ", "") == '{"a":' + "[" * depth + "]" * depth + "}"
+    # beyond 100,000 unclosed brackets the output is refused before llama.cpp's parser sees it
     with pytest.raises(llamaprompt.TemplateError, match="nests brackets"):
-        p.parse(deep)
+        p.parse(call(100_001))
     with pytest.raises(llamaprompt.TemplateError, match="nests brackets"):
-        p.stream_parser().feed(deep)
-    ok = '<tool_call>\n{"name": "f", "arguments": {"a": ' + "[" * 50 + "]" * 50 + "}}\n</tool_call>"
-    assert p.parse(ok)["tool_calls"][0]["function"]["name"] == "f"
+        p.stream_parser().feed(call(100_001))
+
+
+def test_brackets_in_prose_are_content():
+    # llama-server returns such output as content; the bracket limit must not refuse it
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    p = t.apply({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False}})
+    prose = "Look: " + "[" * 1500 + " that was a lot of brackets"
+    assert p.parse(prose)["content"] == prose
+    stream = p.stream_parser()
+    stream.feed(prose)
+    stream.finish()
+    assert stream.message["content"] == prose
 
 
 @pytest.mark.parametrize(

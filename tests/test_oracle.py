@@ -257,7 +257,7 @@ def test_server_reference_requests(server):
     with ThreadPoolExecutor(max_workers=8) as pool:  # concurrent requests
         problems = [p for p in pool.map(one, jobs) if p]
     assert not problems, "\n".join(problems[:20])
-    assert len(jobs) == 50 * 35
+    assert len(jobs) == len(ref["variants"][0]["templates"]) * 35 and len(jobs) >= 40 * 35
 
 
 def test_server_model_field_props_health_and_errors(server):

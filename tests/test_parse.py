@@ -390,3 +390,27 @@ def test_cli_parse(tmp_path):
     names = "".join(tc.get("function", {}).get("name", "") for d in deltas for tc in d.get("tool_calls", []))
     assert names == "get_weather"
     assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "hm"
+
+
+def test_stream_parser_fed_from_threads_keeps_every_chunk(qwen3):
+    # feed() updates the parser with the GIL released: concurrent feeds of one parser are
+    # serialized (no data race), so every chunk is in the final message exactly once
+    import threading
+
+    request = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
+    params = qwen3.apply(request)
+    stream = params.stream_parser()
+    chunk, per_thread, n_threads = "ab ", 150, 4
+
+    def feeder():
+        for _ in range(per_thread):
+            stream.feed(chunk)
+
+    threads = [threading.Thread(target=feeder) for _ in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    stream.finish()
+    content = stream.message["content"]
+    assert content.count("ab") == per_thread * n_threads

@@ -59,12 +59,14 @@ std::string log_capture::errors() const {
     return out;
 }
 
-void log_capture::emit() const {
-    if (records_.empty()) {
+void log_capture::emit() const { emit_records(records_); }
+
+void emit_records(const std::vector<log_record> & records) {
+    if (records.empty()) {
         return;
     }
     py::object logger = py::module_::import("logging").attr("getLogger")("llamaprompt.llama_cpp");
-    for (const auto & r : records_) {
+    for (const auto & r : records) {
         std::string line = r.text;
         while (!line.empty() && line.back() == '\n') {
             line.pop_back();

@@ -37,6 +37,9 @@ class log_capture {
     log_capture * prev_;
 };
 
+// emit records (collected on any thread) to logging.getLogger("llamaprompt.llama_cpp"); needs the GIL
+void emit_records(const std::vector<log_record> & records);
+
 // a warning line for the capture active on this thread (dropped when there is none)
 void log_warning(const char * text);
 

@@ -5,6 +5,7 @@
 // task's common_chat_parser_params; the text goes through task_result_state::update_chat_msg
 // (server-task.cpp: common_chat_parse, tool-call ids, common_chat_msg_diff::compute_diffs);
 // messages and deltas are serialized by to_json_oaicompat / server_chat_msg_diff_to_json_oaicompat.
+#include "big_stack.h"
 #include "errors.h"
 #include "model.h"
 #include "shim.h"
@@ -23,6 +24,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -80,14 +82,17 @@ class core_output_parser {
     }
 
     void reset() {
+        std::lock_guard<std::mutex> lock(mutex_);
         state_ = std::make_unique<task_result_state>(params_);
         depth_ = 0;
     }
 
     // The output parser recurses once per JSON nesting level (tool-call arguments) and has
-    // no limit: model output with ~10^4 unclosed brackets overflows the C++ stack. More than
-    // max_depth unclosed [ / { is refused (llama-server would crash).
-    static constexpr long max_depth = 1000;
+    // no limit: on an 8 MiB stack ~10^4 levels overflow it. It runs on a 256 MiB stack
+    // (big_stack.h), and output with more than max_depth unclosed [ / { -- counted anywhere,
+    // prose included, as the parser may read any of it as JSON -- is refused (llama-server
+    // would crash long before).
+    static constexpr long max_depth = 100000;
     static void check_depth(const std::string & text, long & depth) {
         for (char c : text) {
             if (c == '[' || c == '{') {
@@ -107,33 +112,41 @@ class core_output_parser {
         long depth = 0;
         check_depth(text, depth);
         std::string out = call_upstream([&]() {
-            task_result_state st(params_);
-            std::vector<common_chat_msg_diff> diffs;
-            common_chat_msg msg = st.update_chat_msg(text, partial, diffs);
-            if (msg.empty()) {
-                msg.role = "assistant";
-            }
-            return dump_safe(msg.to_json_oaicompat());  // bad UTF-8 replaced, as llama-server's responses
+            return on_big_stack([&]() {
+                task_result_state st(params_);
+                std::vector<common_chat_msg_diff> diffs;
+                common_chat_msg msg = st.update_chat_msg(text, partial, diffs);
+                if (msg.empty()) {
+                    msg.role = "assistant";
+                }
+                return dump_safe(msg.to_json_oaicompat());  // bad UTF-8 replaced, as llama-server's responses
+            });
         });
         return json_text_to_py(out);
     }
 
     // streaming: the OpenAI deltas llama-server sends for this chunk
     py::object feed(const std::string & chunk, bool is_final) {
-        check_depth(chunk, depth_);
         std::string out = call_upstream([&]() {
-            std::vector<common_chat_msg_diff> diffs;
-            state_->update_chat_msg(chunk, !is_final, diffs);
-            json arr = json::array();
-            for (const auto & d : diffs) {
-                arr.push_back(server_chat_msg_diff_to_json_oaicompat(d));
-            }
-            return dump_safe(arr);
+            // one feed at a time (the state is updated with the GIL released; the lock is taken
+            // and released without the GIL, so a waiting thread never holds it)
+            std::lock_guard<std::mutex> lock(mutex_);
+            check_depth(chunk, depth_);
+            return on_big_stack([&]() {
+                std::vector<common_chat_msg_diff> diffs;
+                state_->update_chat_msg(chunk, !is_final, diffs);
+                json arr = json::array();
+                for (const auto & d : diffs) {
+                    arr.push_back(server_chat_msg_diff_to_json_oaicompat(d));
+                }
+                return dump_safe(arr);
+            });
         });
         return json_text_to_py(out);
     }
 
     py::object message() const {
+        std::lock_guard<std::mutex> lock(mutex_);
         common_chat_msg msg = state_->chat_msg;
         if (msg.empty()) {
             msg.role = "assistant";
@@ -155,6 +168,7 @@ class core_output_parser {
   private:
     common_chat_parser_params params_;
     long depth_ = 0;  // unclosed brackets of the text fed so far
+    mutable std::mutex mutex_;  // feed / message / reset: one thread at a time
     std::unique_ptr<task_result_state> state_;
     std::shared_ptr<core_model> model_;
 };

@@ -24,11 +24,12 @@ static size_t llamaprompt_saturating_mul(size_t a, size_t b) {
     return (a != 0 && b > SIZE_MAX / a) ? SIZE_MAX / 64 : a * b;
 }
 
-static void llamaprompt_repeat_append(jinja::string & dst, const jinja::string & src, int64_t repeat) {
+// (returns what upstream's append returns: older trees assign its result, `s = s.append(t)`)
+static decltype(auto) llamaprompt_repeat_append(jinja::string & dst, const jinja::string & src, int64_t repeat) {
     const size_t n = static_cast<size_t>(repeat);
     llamaprompt::jinja_guard_size(llamaprompt_saturating_mul(src.length(), n),
                                   llamaprompt_saturating_mul(src.parts.size(), n));
-    dst.append(src);
+    return dst.append(src);
 }
 
 // `a ~ b` / `a + b` on strings: the size guard on the result, before upstream copies anything

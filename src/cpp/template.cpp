@@ -236,6 +236,7 @@ class core_template {
         struct outcome {
             std::string text;  // the prompt, or the error message
             int status = 0;    // 0: a prompt; else the HTTP status (400 / 500)
+            std::vector<log_record> logs;  // llama.cpp's log lines of this render (emitted in order)
         };
         std::vector<outcome> out(bodies.size());
         {
@@ -243,6 +244,7 @@ class core_template {
             std::atomic<size_t> next{0};
             auto work = [&]() {
                 for (size_t i; (i = next++) < bodies.size();) {
+                    log_capture logs;  // as apply_template's, per render
                     // the same classification as call_upstream (llama-server's ex_wrapper)
                     try {
                         out[i].text = prompt_for(bodies[i], timeout);
@@ -255,6 +257,7 @@ class core_template {
                     } catch (...) {
                         out[i] = {"unknown error", 500};
                     }
+                    out[i].logs = logs.records();
                 }
             };
             const size_t n_threads = std::max<size_t>(1, std::min<size_t>(threads, bodies.size()));
@@ -269,6 +272,7 @@ class core_template {
         }
         py::list result;
         for (const auto & o : out) {
+            emit_records(o.logs);
             if (o.status == 0) {
                 result.append(text_to_py(o.text));
             } else {

@@ -396,8 +396,12 @@ def _load_many(
     for path in map(Path, args.gguf):
         out[name_for(path)] = factory.from_gguf(path, media_marker=args.media_marker, server_args=sargs, **extra)
     if not out:
-        raise RequestError("no templates: give --template, --templates DIR, --gguf or --pinned")
+        raise UsageError("no templates: give --template, --templates DIR, --gguf or --pinned")
     return out
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given: reported by argparse (usage line, exit 2)."""
 
 
 def _read_bytes(path: str) -> bytes:
@@ -420,13 +424,13 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
         try:
             caps = json.loads(args.caps)
         except ValueError as e:
-            raise RequestError(f"--caps: not valid JSON: {e}") from None
+            raise UsageError(f"--caps: not valid JSON: {e}") from None
         if not isinstance(caps, dict):
-            raise RequestError("--caps must be a JSON object of caps keys to booleans")
+            raise UsageError("--caps must be a JSON object of caps keys to booleans")
     common = {"caps": caps, "handler": args.handler}
     if args.builtin:
         if args.gguf or args.template:
-            raise RequestError("--builtin cannot be combined with --template or --gguf")
+            raise UsageError("--builtin cannot be combined with --template or --gguf")
         return ChatTemplate.builtin(
             args.builtin,
             bos_token=args.bos_token,
@@ -439,7 +443,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
         )
     if args.gguf:
         if args.bos_token or args.eos_token or args.add_bos or args.add_eos:
-            raise RequestError(
+            raise UsageError(
                 "--bos-token/--eos-token/--add-bos/--add-eos do not apply with --gguf: the model file gives them"
             )
         override = None
@@ -477,7 +481,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, server_args = argv[:i], argv[i + 1 :]
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args, server_args)
+    except UsageError as e:
+        parser.error(str(e))  # exits with status 2 after the usage line
+        raise  # not reached
+
+
+def _run(args: argparse.Namespace, server_args: list[str]) -> int:
     try:
         if args.command in ("fixtures", "check", "diff", "serve"):
             return _oracle(args, server_args)
@@ -573,7 +586,7 @@ def _bench(args: argparse.Namespace) -> int:
         paths = pinned_templates()
     requests = None if args.requests is None else _read_json(args.requests)
     if requests is not None and not isinstance(requests, dict):
-        raise RequestError(f"{args.requests}: must be a JSON object name -> request body")
+        raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
     peers = {"upstream", "jinja2", "server", "floor"}
     for flag, peer in ((args.no_jinja2, "jinja2"), (args.no_upstream, "upstream"), (args.no_floor, "floor")):
         if flag:
@@ -612,7 +625,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         templates = _load_many(args, server_args)
         requests = None if args.requests is None else _read_json(args.requests)
         if requests is not None and not isinstance(requests, dict):
-            raise RequestError(f"{args.requests}: must be a JSON object name -> request body")
+            raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
         doc = fx.render_fixtures(templates, requests, progress=False if args.no_progress else None)
         fx.write_fixtures(doc, args.output)
         n = sum(len(t["cases"]) for t in doc["templates"].values())
@@ -642,7 +655,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         reference = fx.load_fixtures(args.reference)
         other = _read_json(args.other)
         if not isinstance(other, dict):
-            raise RequestError(f"{args.other}: must be a JSON object")
+            raise UsageError(f"{args.other}: must be a JSON object")
         report = fx.diff_fixtures(reference, other, context=args.context, mask=args.mask_dates)
         if args.format == "json":
             _print_json(report)
