@@ -6,9 +6,9 @@ regenerate docs/versions.md (and docs/versions.json).
     python benchmarks/versions.py --from-json docs/versions.json   # only rewrite the Markdown
 
 Per version it builds a wheel from this checkout with ``LLAMAPROMPT_LLAMA_CPP=<version>``
-in its own build directory (``build/versions/<version>``; ccache, when installed, shares
-objects between runs), installs it into its own virtual environment (which sees this
-interpreter's packages, so only llamaprompt differs), and records:
+in its own build directory (``build/llama.cpp-<version>``, as .ci/run; ccache, when installed,
+shares objects between runs), installs it into its own virtual environment
+(``build/ci-venv-<version>``, which sees this interpreter's packages, so only llamaprompt differs), and records:
 
 - the commit and date (from the lock), whether the tree configured and built (or the
   message that stopped it), the build time;
@@ -92,7 +92,9 @@ def one_version(version: str) -> dict:
                  "pinned": version == LOCK["source"]["version"]}
     work = ROOT / "build" / "versions" / version
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "LLAMAPROMPT_LLAMA_CPP": version, "SKBUILD_BUILD_DIR": str(work / "build")}
+    # the same build directory and venv as .ci/run uses for a tree other than the pin
+    build_dir = ROOT / "build" / f"llama.cpp-{version}"
+    env = {**os.environ, "LLAMAPROMPT_LLAMA_CPP": version, "SKBUILD_BUILD_DIR": str(build_dir)}
     env.pop("LLAMAPROMPT_LLAMA_CPP_DIR", None)
     wheels = work / "wheel"
     for old in wheels.glob("*.whl"):
@@ -110,7 +112,7 @@ def one_version(version: str) -> dict:
         print(f"[{version}] failed: {out['error']}", flush=True)
         return out
     out["built"] = True
-    env_dir = work / "venv"
+    env_dir = ROOT / "build" / f"ci-venv-{version}"
     if not (env_dir / "bin" / "python").exists():
         venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
     py = str(env_dir / "bin" / "python")

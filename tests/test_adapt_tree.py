@@ -132,3 +132,45 @@ def test_missing_both_thinking_tag_shapes_fails(tree, tmp_path):
     path.write_text(text)
     proc = _run(tree, tmp_path)
     assert proc.returncode == 1 and "thinking_end_tag" in proc.stderr
+
+
+def test_the_module_names_its_tree():
+    info = llamaprompt.tree_info()
+    assert info["commit"] == llamaprompt.LLAMA_CPP_COMMIT != ""
+    assert info["caps_keys"] == sorted(info["caps_keys"]) and "supports_tools" in info["caps_keys"]
+    assert ("supports_reasoning_effort" in info["caps_keys"]) == llamaprompt.features["caps_reasoning_effort"]
+    described = llamaprompt.ChatTemplate("{{ messages[0].content }}").describe()
+    assert described["llama_cpp_commit"] == llamaprompt.LLAMA_CPP_COMMIT
+    assert described["llama_cpp_source"] == llamaprompt.LLAMA_CPP_SOURCE
+    out = subprocess.run([sys.executable, "-c", "from llamaprompt.cli import main; main(['--version'])"],
+                         capture_output=True, text=True)
+    assert llamaprompt.LLAMA_CPP_COMMIT in out.stdout + out.stderr
+
+
+def test_missing_feature_raises_feature_error(monkeypatch):
+    from llamaprompt import tree
+
+    monkeypatch.setitem(tree.features, "parse", False)
+    template = llamaprompt.ChatTemplate("{{ messages[0].content }}")
+    params = template.apply({"messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(llamaprompt.FeatureError, match=f"commit {llamaprompt.LLAMA_CPP_COMMIT}"):
+        params.parse("hello")
+
+
+def test_vocab_fields_are_read_from_the_tree(tree, tmp_path):
+    fields = llamaprompt.tree_info()["vocab_fields"]
+    assert {"preserved_tokens", "logit_bias"} <= set(fields)
+    assert not set(fields) & {"chat_format", "chat_parser", "reasoning_format", "parse_tool_calls"}
+    schema = tree / "tools" / "server" / "server-schema.cpp"
+    if not schema.exists():
+        pytest.skip("this tree's request schema is server_task::params_from_json_cmpl")
+    text = schema.read_text()
+    anchor = "    add((new field_"
+    assert anchor in text
+    extra = ('    add((new field_str("new_token_field"))\n        ->set_handler([&](field_eval_context & ctx, '
+             'const json & data) {\n            GGML_ASSERT(ctx.vocab != nullptr);\n        }));\n')
+    schema.write_text(text.replace(anchor, extra + anchor, 1))
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
+    assert '"new_token_field"' in header.split("LP_VOCAB_FIELDS", 1)[1].splitlines()[0]

@@ -158,10 +158,10 @@ def test_argument_validation(qwen3):
 
 
 def test_schema_conversion_warning_goes_to_logging_not_stderr(caplog, capfd):
-    # json-schema-to-grammar prints this warning with fprintf(stderr) upstream; an
-    # unanchored `pattern` cannot be converted exactly (llama.cpp accepts any string)
+    # json-schema-to-grammar prints this warning with fprintf(stderr) upstream; a lookahead in
+    # a `pattern` cannot be converted (llama.cpp accepts more than the pattern does)
     t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
-    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a+"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)a+$"}}}
     req = {
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
@@ -195,7 +195,7 @@ def test_batch_renders_log_like_single_ones(caplog):
     # apply_template_many renders on C++ threads; each render's llama.cpp log lines still reach
     # logging (the same warning as above, once per request that causes it)
     t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
-    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a+"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)a+$"}}}
     req = {
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],

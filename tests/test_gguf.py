@@ -331,7 +331,14 @@ def test_more_vocab_conditions_llama_cpp_asserts_raise_instead(tmp_path):
         "tokenizer.ggml.add_bos_token": MetadataDetails(gguf.GGUFValueType.BOOL, False),
     }
     for name, extra in (("no-bos", {}), ("no-sep", {"tokenizer.ggml.bos_token_id": MetadataDetails(U32, 0)})):
-        t = llamaprompt.ChatTemplate.from_gguf(_rewrite_kv(bert, tmp_path / f"{name}.gguf", {**cut, **extra}))
+        path = _rewrite_kv(bert, tmp_path / f"{name}.gguf", {**cut, **extra})
+        try:
+            t = llamaprompt.ChatTemplate.from_gguf(path)
+        except llamaprompt.GGUFError as e:
+            # older trees' loaders refuse the cut vocab (a special-token id past its end) with a
+            # C++ exception, which arrives typed with llama.cpp's message
+            assert "range" in e.message
+            continue
         assert t.tokenize("hello", add_special=False).size > 0
         with pytest.raises(llamaprompt.GGUFError, match="BOS|SEP"):
             t.tokenize("hello", add_special=True)

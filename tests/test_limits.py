@@ -157,8 +157,15 @@ def test_max_tools():
     ],
     ids=["parens", "brackets", "not", "unary", "if-blocks", "ternaries"],
 )
-def test_deeply_nested_template_text_raises_at_parse(src):
+def test_deeply_nested_template_text_raises_at_parse(src, request):
     # llama.cpp's Jinja parser is a recursive descent: these crashed the process when parsed
+    unary = request.node.callspec.id == "unary"
+    skipped = {r["pattern"] for r in llamaprompt.tree_info()["rewrites"] if "skipped" in r}
+    if unary and "op, parse_unary_expression())" in skipped:
+        # a tree without the unary-expression rule does not recurse here: a plain parse error
+        with pytest.raises(llamaprompt.TemplateError, match="Unexpected token"):
+            llamaprompt.ChatTemplate(src)
+        return
     with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
         llamaprompt.ChatTemplate(src)
 

@@ -109,6 +109,22 @@ def test_check_round_trip_and_planted_change(tmp_path, few_doc):
     assert proc.stdout.count("DIFFERS") == 1 and "google-gemma-2-2b-it.jinja / system" in proc.stdout
 
 
+def test_check_names_another_commit_first(tmp_path, few_doc):
+    path = tmp_path / "fx.json"
+    fx.write_fixtures(few_doc, path)
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+    assert not proc.stdout.startswith("note:")  # made with this very build
+    assert few_doc["llama_cpp_commit"] == llamaprompt.LLAMA_CPP_COMMIT
+    assert few_doc["llama_cpp_source"] == llamaprompt.LLAMA_CPP_SOURCE
+    other = copy.deepcopy(few_doc)
+    other["llama_cpp_commit"] = "deadbeef0"
+    fx.write_fixtures(other, path)
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("note: these fixtures were made with llama.cpp deadbeef0")
+    assert llamaprompt.LLAMA_CPP_COMMIT in first
+
+
 def test_check_mask_dates(few_doc):
     doc = copy.deepcopy(few_doc)
     case = doc["templates"]["meta-llama-Llama-3.1-8B-Instruct.jinja"]["cases"]["plain_chat"]
@@ -274,7 +290,8 @@ def test_server_model_field_props_health_and_errors(server):
     assert props["bos_token"] == "<s>" and props["media_marker"] == "<__media__>"
     assert _http(f"{server}/health") == (200, {"status": "ok"})
     status, models = _http(f"{server}/v1/models")
-    assert status == 200 and len(models["data"]) == 51
+    # the recorded templates, and the GGUF one this fixture serves
+    assert status == 200 and len(models["data"]) == len(ref["variants"][0]["templates"]) + 1
     status, err = _http(f"{server}/apply-template?model=nope", ref["requests"]["basic"])
     assert status == 404 and err["error"]["type"] == "not_found_error"
     status, err = _http(f"{server}/apply-template", raw=b'{"messages": [')

@@ -120,7 +120,8 @@ def tool_outputs():
 
 
 def test_enough_tool_templates():
-    assert len(TOOL_TEMPLATES) >= 60
+    # 60 of the pin's 70 templates; older trees ship fewer (0.3.33: 51 of 59)
+    assert len(TOOL_TEMPLATES) >= 0.8 * len(llamaprompt.pinned_templates())
 
 
 @pytest.mark.parametrize("path", TOOL_TEMPLATES, ids=lambda p: p.name)
@@ -211,11 +212,23 @@ OPENED = _opened_thinking_templates()
 
 
 def test_enough_reasoning_templates():
-    assert len(OPENED) >= 20
+    # 20 of the pin's 70 templates; 0.3.33: 17 of 59
+    assert len(OPENED) >= 0.28 * len(llamaprompt.pinned_templates())
+
+
+# what an older tree's own parser does differently (checked with that tree's upstream code; strict:
+# a tree that parses it as the pin does makes the test fail, so the entry is removed)
+TREE_DIFFERENCES = {
+    ("78d2f5246", "NVIDIA-Nemotron-Nano-v2.jinja"): "this tree's peg-native parser leaves an opened <think> "
+    "block in content (the tree of llama-cpp-python 0.3.35 extracts it)",
+}
 
 
 @pytest.mark.parametrize("path", OPENED, ids=lambda p: p.name)
-def test_reasoning_then_content(path):
+def test_reasoning_then_content(path, request):
+    why = TREE_DIFFERENCES.get((llamaprompt.LLAMA_CPP_COMMIT, path.name))
+    if why:
+        request.applymarker(pytest.mark.xfail(reason=why, strict=True))
     params = llamaprompt.ChatTemplate.from_file(path).apply({"messages": USER})
     end = params.thinking_end_tags[0]
     out = REASONING_HAND_WRITTEN.get(path.name, "The user asks about weather." + end + "It is sunny.")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import llamaprompt
-from conftest import load_reference
+from conftest import REPO, load_reference
 
 CAPS_KEYS = {
     "supports_tools",
@@ -98,5 +100,14 @@ def test_remote_media_is_not_fetched(qwen3):
 
 
 def test_version_and_commit():
-    assert llamaprompt.LLAMA_CPP_COMMIT == "0c1e57098"
+    # the commit the lock lists for the sdist the tree came from (the pin unless chosen otherwise)
+    lock = json.loads((REPO / "third_party" / "llama.cpp.lock").read_text())
+    source = llamaprompt.LLAMA_CPP_SOURCE
+    if source.startswith("llama-cpp-python ") and source.endswith(" sdist"):
+        version = source.split()[1]
+        assert lock["versions"][version]["commit"] == llamaprompt.LLAMA_CPP_COMMIT
+        if version == lock["source"]["version"]:
+            assert llamaprompt.LLAMA_CPP_COMMIT == lock["commit"] == "0c1e57098"
+    else:
+        assert llamaprompt.LLAMA_CPP_COMMIT  # a checkout: its git commit, or "unknown"
     assert llamaprompt.__version__

@@ -287,6 +287,16 @@ VOCAB_ASSERTS = [
 ]
 
 
+def server_main_check(tree: Tree) -> None:
+    """src/cpp/parse.cpp resolves an automatic slot count as llama-server's main() does."""
+    rel = "tools/server/server.cpp"
+    text = norm(tree.read(rel))
+    m = re.search(r"if \(params\.n_parallel < 0\) \{(.*?)\}", text)
+    if not m or "params.n_parallel = 4;" not in m.group(1):
+        raise TreeError(f"{rel}: 'if (params.n_parallel < 0) {{ ... params.n_parallel = 4; ... }}' not found "
+                        "(src/cpp/parse.cpp restates it)")
+
+
 def server_chat_params_check(tree: Tree) -> None:
     rel = "tools/server/server-context.cpp"
     text = tree.read(rel)
@@ -353,6 +363,78 @@ def vocab_check(tree: Tree, features: dict[str, dict]) -> None:
 
 
 # ---------------------------------------------------------------------------
+# request fields whose handlers need a vocab
+# ---------------------------------------------------------------------------
+
+KEY_USE = re.compile(r'(?:data\.find|data\.at|data\.contains|json_value\(\s*data\s*,)\(?\s*"([a-z_]+)"')
+VOCAB_USE = re.compile(r"\bctx\.vocab\b|common_tokenize\(\s*vocab\b|llama_vocab_\w+\(\s*vocab\b")
+
+
+def _child_blocks(text: str, body_start: int) -> list[str]:
+    """The `{ ... }` blocks nested directly in the function body that opens at body_start
+    (string and character literals and comments skipped)."""
+    blocks, depth, start, i = [], 1, None, body_start
+    while i < len(text) and depth > 0:
+        c = text[i]
+        if c in "\"'":
+            j = i + 1
+            while j < len(text) and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            continue
+        if text.startswith("//", i):
+            i = text.find("\n", i)
+            i = len(text) if i < 0 else i
+            continue
+        if c == "{":
+            depth += 1
+            if depth == 2:
+                start = i
+        elif c == "}":
+            if depth == 2 and start is not None:
+                blocks.append(text[start : i + 1])
+            depth -= 1
+        i += 1
+    return blocks
+
+
+def vocab_fields(tree: Tree, features: dict[str, dict]) -> list[str]:
+    """The request fields whose handlers in the tree's request schema (eval_llama_cmpl_schema,
+    or server_task::params_from_json_cmpl) use the vocab -- they assert it (a crash without a
+    model) and only set sampling parameters. src/cpp/parse.cpp drops them when there is no model.
+    Read from the tree, not listed by hand: their names and number change between trees."""
+    if not features["parse"]["present"]:
+        return []
+    names: set[str] = set()
+    if features["server_schema"]["present"]:
+        rel = "tools/server/server-schema.cpp"
+        for block in re.split(r"\badd\(\s*\(\s*new\s+", tree.read(rel))[1:]:
+            head = re.match(r"field_\w+\s*\(\s*\"([a-z_]+)\"", block)
+            if head and VOCAB_USE.search(block):
+                names.add(head.group(1))
+                names.update(KEY_USE.findall(block))
+    else:
+        rel = "tools/server/server-task.cpp"
+        text = tree.read(rel)
+        m = re.search(r"task_params\s+server_task::params_from_json_cmpl\s*\([^)]*\)\s*\{", text)
+        if not m:
+            raise TreeError(f"{rel}: no definition of server_task::params_from_json_cmpl")
+        # the function's top-level { ... } groups: each parses one set of related fields
+        for block in _child_blocks(text, m.end()):
+            if VOCAB_USE.search(block):
+                names.update(KEY_USE.findall(block))
+    parser_keys = names & {"chat_format", "chat_parser", "reasoning_format", "parse_tool_calls", "generation_prompt"}
+    if parser_keys:
+        raise TreeError(f"{rel}: the fields found to need a vocab include chat-parser inputs {sorted(parser_keys)}; "
+                        "dropping them would change the parse (src/cpp/parse.cpp must be adapted)")
+    for needed in ("preserved_tokens", "logit_bias"):
+        if needed not in names:
+            raise TreeError(f"{rel}: could not find the request fields whose handlers use the vocab "
+                            f"(no '{needed}' among {sorted(names)}); src/cpp/parse.cpp needs that list")
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------------
 
 
 def cmake_str(s: str) -> str:
@@ -371,9 +453,11 @@ def main(argv: list[str]) -> int:
         features = probe_features(tree)
         rewrites = apply_rewrites(tree, out, notes)
         server_chat_params_check(tree)
+        server_main_check(tree)
         exiting_flags_check(tree)
         parser_key_check(tree)
         vocab_check(tree, features)
+        fields = vocab_fields(tree, features)
     except TreeError as e:
         print(f"llamaprompt: cannot build against the llama.cpp tree at {tree.root}:\n{e}", file=sys.stderr)
         return 1
@@ -389,10 +473,12 @@ def main(argv: list[str]) -> int:
 
     info = {"features": {k: v["present"] for k, v in features.items()},
             "feature_docs": {k: v["what"] for k, v in features.items()},
-            "rewrites": rewrites, "notes": notes}
+            "rewrites": rewrites, "notes": notes, "vocab_fields": fields}
     header = ["// generated by third_party/adapt_tree.py from the llama.cpp tree's contents", "#pragma once"]
     for name, f in features.items():
         header.append(f"#define LP_HAS_{name.upper()} {int(f['present'])}")
+    header.append("// request fields whose schema handlers need a vocab (vocab_fields())")
+    header.append("#define LP_VOCAB_FIELDS " + ", ".join(json.dumps(n) for n in fields))
     header.append("#define LP_TREE_INFO_JSON " + json.dumps(json.dumps(info, sort_keys=True)))
     text = "\n".join(header) + "\n"
     target = out / "generated" / "lp_tree.h"

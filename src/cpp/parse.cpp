@@ -36,12 +36,11 @@ namespace llamaprompt {
 #if LP_HAS_PARSE
 namespace {
 
-// fields of the completion schema whose handlers need a vocab (GGML_ASSERT(ctx.vocab));
-// they only set sampling parameters, never the chat parser's
-const char * const vocab_fields[] = {
-    "preserved_tokens", "grammar_triggers", "reasoning_budget_tokens", "reasoning_budget_start_tag",
-    "reasoning_budget_end_tags", "reasoning_budget_message", "logit_bias",
-};
+// fields of the completion schema whose handlers use a vocab (GGML_ASSERT(ctx.vocab), or
+// common_tokenize on a null vocab in older trees); they only set sampling parameters, never the
+// chat parser's. Read from the tree at configure time (third_party/adapt_tree.py vocab_fields):
+// their names change between trees.
+const char * const vocab_fields[] = {LP_VOCAB_FIELDS};
 
 }  // namespace
 
@@ -53,10 +52,20 @@ class core_output_parser {
                        std::optional<bool> parse_tool_calls, bool stream) {
         params_ = call_upstream([&]() {
             common_params base = parse_server_args(server_args);
+            // llama-server's main() (tools/server/server.cpp) resolves an automatic slot count
+            // before any request; older trees' request schema compares n_cmpl with it
+            // (third_party/adapt_tree.py checks the restated lines)
+            if (base.n_parallel < 0) {
+                base.n_parallel = 4;
+            }
             json data = json::parse(llama_params_text);
             if (!model) {
                 for (const char * f : vocab_fields) {
                     data.erase(f);
+                }
+                // sampling only as well; older trees refuse a lazy grammar whose triggers were dropped
+                if (!data.contains("grammar_triggers")) {
+                    data.erase("grammar_lazy");
                 }
             }
             if (!reasoning_format.empty()) {
