@@ -51,6 +51,13 @@ def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
     path.write_text(text.replace(old, new))
 
 
+def _insert_before(path: Path, anchor: str, text: str) -> None:
+    """Add upstream-looking code before the first occurrence of anchor."""
+    content = path.read_text()
+    assert anchor in content, f"{anchor!r} not in {path}"
+    path.write_text(content.replace(anchor, text + anchor, 1))
+
+
 def test_unchanged_tree_configures_with_the_built_features(tree, tmp_path):
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -62,11 +69,32 @@ def test_unchanged_tree_configures_with_the_built_features(tree, tmp_path):
     assert (tmp_path / "out" / "generated" / "chat.cpp").read_text().count("llamaprompt_analyze_template(") == 1
 
 
-def test_moved_call_site_fails_with_file_and_text(tree, tmp_path):
-    _edit(tree / "common" / "chat.cpp", "autoparser.analyze_template(tmpl)", "autoparser.analyze_template(tmpl, 1)")
+@pytest.mark.parametrize(
+    ("rel", "old", "new", "expected"),
+    [
+        # a renamed call site
+        ("common/chat.cpp", "autoparser.analyze_template(tmpl)", "autoparser.analyze_template(tmpl, 1)",
+         ["common/chat.cpp", "'autoparser.analyze_template(tmpl)' not found"]),
+        # llama-server fills server_chat_params from another source
+        ("tools/server/server-context.cpp", "/* media_path            */ params_base.media_path",
+         "/* media_path            */ params_base.media_dir",
+         ["server-context.cpp", "media_path=params_base.media_dir"]),
+        # a new input of the parser generation that the parser-inputs key does not cover
+        ("common/chat-auto-parser.h", "    json                                  extra_context;",
+         "    json                                  extra_context;\n    bool new_upstream_flag = false;",
+         ["generation_params fields changed (new: ['new_upstream_flag']"]),
+        # a vocab assert whose condition src/cpp/model.cpp checks first
+        ("src/llama-vocab.cpp", 'word = "[EMPTY_" + std::to_string(i) + "]";',
+         'word = "<EMPTY_" + std::to_string(i) + ">";', ["src/llama-vocab.cpp", "[EMPTY_"]),
+    ],
+    ids=["moved-call-site", "server-chat-params", "generation-params", "vocab-assert"],
+)
+def test_upstream_drift_fails_with_file_and_text(tree, tmp_path, rel, old, new, expected):
+    _edit(tree / rel, old, new)
     proc = _run(tree, tmp_path)
     assert proc.returncode == 1
-    assert "common/chat.cpp" in proc.stderr and "'autoparser.analyze_template(tmpl)' not found" in proc.stderr
+    for text in expected:
+        assert text in proc.stderr
 
 
 def test_pattern_count_is_exact(tree, tmp_path):
@@ -89,41 +117,13 @@ def test_rewrite_of_absent_code_is_skipped_with_what_is_lost(tree, tmp_path):
     assert "rewrite skipped (lost: nothing: this tree's argument parser reads no config.ini files)" in cmake
 
 
-def test_server_chat_params_drift_fails(tree, tmp_path):
-    _edit(tree / "tools" / "server" / "server-context.cpp", "/* media_path            */ params_base.media_path",
-          "/* media_path            */ params_base.media_dir")
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 1
-    assert "server-context.cpp" in proc.stderr and "media_path=params_base.media_dir" in proc.stderr
-
-
-def test_new_generation_params_field_fails(tree, tmp_path):
-    _edit(tree / "common" / "chat-auto-parser.h", "    json                                  extra_context;",
-          "    json                                  extra_context;\n    bool new_upstream_flag = false;")
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 1
-    assert "generation_params fields changed (new: ['new_upstream_flag']" in proc.stderr
-
-
 def test_flag_that_exits_must_be_refused(tree, tmp_path):
-    path = tree / "common" / "arg.cpp"
-    text = path.read_text()
-    anchor = "    add_opt(common_arg(\n"
-    assert anchor in text
-    extra = ('    add_opt(common_arg(\n        {"--print-something"},\n        "print and exit",\n'
-             '        [](common_params &) {\n            exit(0);\n        }\n    ));\n')
-    path.write_text(text.replace(anchor, extra + anchor, 1))
+    _insert_before(tree / "common" / "arg.cpp", "    add_opt(common_arg(\n",
+                   '    add_opt(common_arg(\n        {"--print-something"},\n        "print and exit",\n'
+                   '        [](common_params &) {\n            exit(0);\n        }\n    ));\n')
     proc = _run(tree, tmp_path)
     assert proc.returncode == 1
     assert "--print-something call exit()" in proc.stderr and "server_args_refused.inc" in proc.stderr
-
-
-def test_vocab_assert_drift_fails(tree, tmp_path):
-    _edit(tree / "src" / "llama-vocab.cpp", 'word = "[EMPTY_" + std::to_string(i) + "]";',
-          'word = "<EMPTY_" + std::to_string(i) + ">";')
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 1
-    assert "src/llama-vocab.cpp" in proc.stderr and "[EMPTY_" in proc.stderr
 
 
 def test_missing_both_thinking_tag_shapes_fails(tree, tmp_path):
@@ -164,12 +164,9 @@ def test_vocab_fields_are_read_from_the_tree(tree, tmp_path):
     schema = tree / "tools" / "server" / "server-schema.cpp"
     if not schema.exists():
         pytest.skip("this tree's request schema is server_task::params_from_json_cmpl")
-    text = schema.read_text()
-    anchor = "    add((new field_"
-    assert anchor in text
-    extra = ('    add((new field_str("new_token_field"))\n        ->set_handler([&](field_eval_context & ctx, '
-             'const json & data) {\n            GGML_ASSERT(ctx.vocab != nullptr);\n        }));\n')
-    schema.write_text(text.replace(anchor, extra + anchor, 1))
+    _insert_before(schema, "    add((new field_",
+                   '    add((new field_str("new_token_field"))\n        ->set_handler([&](field_eval_context & ctx, '
+                   'const json & data) {\n            GGML_ASSERT(ctx.vocab != nullptr);\n        }));\n')
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
     header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()

@@ -212,14 +212,16 @@ OPENED = _opened_thinking_templates()
 
 
 def test_enough_reasoning_templates():
-    # 20 of the pin's 70 templates; 0.3.33: 17 of 59
-    assert len(OPENED) >= 0.28 * len(llamaprompt.pinned_templates())
+    # 20 of the pin's 70 templates; 0.3.33: 17 of 59; 0.3.30: 16 of 58
+    assert len(OPENED) >= 0.25 * len(llamaprompt.pinned_templates())
 
 
 # what an older tree's own parser does differently (checked with that tree's upstream code; strict:
 # a tree that parses it as the pin does makes the test fail, so the entry is removed)
 TREE_DIFFERENCES = {
     ("78d2f5246", "NVIDIA-Nemotron-Nano-v2.jinja"): "this tree's peg-native parser leaves an opened <think> "
+    "block in content (the tree of llama-cpp-python 0.3.35 extracts it)",
+    ("e3a74b299", "NVIDIA-Nemotron-Nano-v2.jinja"): "this tree's peg-native parser leaves an opened <think> "
     "block in content (the tree of llama-cpp-python 0.3.35 extracts it)",
 }
 

@@ -32,3 +32,18 @@ def test_threads_give_sequential_prompts():
         got = list(pool.map(render, jobs))
     assert got == expected
     assert sum(isinstance(x, str) for x in got) > len(jobs) // 2
+
+
+def test_threads_on_a_template_whose_execution_changes_it():
+    # older trees' Jinja execution changes the parsed template (filter_statement moves its filter
+    # out of the node: concurrent renders crashed or raised "basic_string::substr"); renders of one
+    # template are serialized there (llamaprompt.features["const_execution"] is False)
+    t = llamaprompt.ChatTemplate(
+        "{% for m in messages %}{% filter trim %}  <{{ m['role'] }}>{{ m['content'] }}  {% endfilter %}{% endfor %}"
+    )
+    reqs = [{"messages": [{"role": "user", "content": f"hello {i} " * 50}]} for i in range(16)]
+    expected = [("<user>" + (f"hello {i} " * 50)).strip() for i in range(16)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        got = list(pool.map(t.apply_template, reqs * 25))
+    assert got == expected * 25
+    assert t.apply_template_many(reqs * 10, threads=4) == expected * 10

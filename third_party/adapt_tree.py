@@ -111,6 +111,11 @@ def probe_features(tree: Tree) -> dict[str, dict]:
     parse_sources = ["tools/server/server-task.cpp", "tools/server/server-chat.cpp"]
     add("parse", (schema or task) and all(tree.has(s) for s in parse_sources),
         "parse of model output as llama-server does (request schema + task_result_state)")
+    const_exec = tree.search("common/jinja/runtime.h",
+                             r"virtual\s+value\s+execute_impl\s*\(\s*context\s*&\s*\w*\)\s*const")
+    add("const_execution", const_exec,
+        "common/jinja/runtime.h: const template execution (older trees' execution changes the parsed template, "
+        "e.g. filter_statement moves its filter: renders of one template are then serialized)")
     add("vocab_test_tokenizer", tree.contains("src/llama-vocab.cpp", 'tokenizer_model == "test"'),
         "src/llama-vocab.cpp: the 'test' tokenizer")
     return f
@@ -118,7 +123,7 @@ def probe_features(tree: Tree) -> dict[str, dict]:
 
 # features whose absence means llamaprompt gives less on this tree (the others only say which
 # shape of an upstream interface the bindings compile for)
-LOSSES = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse"]
+LOSSES = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "const_execution"]
 
 
 # ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include "model.h"
 #include "shim.h"
 #include "text.h"
+#include "tree.h"
 
 #include <pybind11/stl.h>
 
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <string>
 #include <vector>
@@ -289,6 +291,7 @@ class core_template {
     py::object time_direct_apply(const std::string & body_text, int repeat) const {
         double seconds = -1;
         call_upstream([&]() {
+            auto serial = serialize();
             json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
             st.memo = nullptr;
@@ -320,6 +323,7 @@ class core_template {
             std::string generation_prompt;
         };
         out_t out = call_upstream([&]() {
+            auto serial = serialize();
             json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
             scoped_handler in_force(st);
@@ -349,6 +353,7 @@ class core_template {
     // what the template receives as `messages` for this request's messages
     py::object normalize(const std::string & body_text) const {
         std::string out = call_upstream([&]() {
+            auto serial = serialize();
             json body = parse_body(body_text, max_tools_);
             handler_state st = handler_;
             scoped_handler in_force(st);
@@ -363,7 +368,19 @@ class core_template {
 
   private:
     // the prompt POST /apply-template returns (on the calling thread, GIL not needed)
+    // Renders of one template at a time where the tree's template execution changes the parsed
+    // template (no const execute_impl: e.g. filter_statement moves its filter out of the tree);
+    // nothing to wait for on trees whose execution is const. Called without the GIL.
+    std::unique_lock<std::mutex> serialize() const {
+#if LP_HAS_CONST_EXECUTION
+        return {};
+#else
+        return std::unique_lock<std::mutex>(*render_mutex_);
+#endif
+    }
+
     std::string prompt_for(const std::string & body_text, double timeout) const {
+        auto serial = serialize();
         json body = parse_body(body_text, max_tools_);
         handler_state st = handler_;
         st.prompt_only = true;
@@ -464,6 +481,7 @@ class core_template {
     std::shared_ptr<parser_memo> memo_;
     jinja_limits limits_;
     size_t max_tools_ = 0;
+    std::shared_ptr<std::mutex> render_mutex_ = std::make_shared<std::mutex>();
     std::shared_ptr<std::atomic<uint64_t>> prompt_only_renders_ = std::make_shared<std::atomic<uint64_t>>(0);
     std::map<std::string, bool> caps_override_;
     std::map<std::string, bool> detected_caps_;

@@ -1,5 +1,6 @@
-"""The templates of the pinned llama.cpp tree (models/templates/*.jinja), shipped in the
-package so that examples, the CLI default and tests need no checkout."""
+"""The templates of the llama.cpp tree the module was built from (models/templates/*.jinja;
+the pinned tree unless the build was given another), shipped in the package so that
+examples, the CLI default and tests need no checkout."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ DEFAULT_TEMPLATE = "Qwen-Qwen3-0.6B.jinja"
 
 
 def pinned_templates() -> list[Path]:
-    """Paths of every ``*.jinja`` template shipped from the pinned tree, sorted by name."""
+    """Paths of every ``*.jinja`` template shipped from the tree the module was built from
+    (:data:`llamaprompt.LLAMA_CPP_COMMIT`; 70 in the pin), sorted by name."""
     return sorted(_DIR.glob("*.jinja"))
 
 
