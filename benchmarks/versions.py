@@ -104,8 +104,8 @@ def one_version(version: str) -> dict:
     rc, log = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), "."], env=env,
                   log=work / "build.log")
     out["build_seconds"] = round(time.monotonic() - t0)
-    configured = "Build files have been written" in log or "-- Generating done" in log
-    out["configured"] = configured
+    # pip hides CMake's output unless the build fails: a wheel means configuration succeeded
+    out["configured"] = rc == 0 or "Build files have been written" in log or "-- Generating done" in log
     if rc != 0:
         out["built"] = False
         out["error"] = configure_error(log)
@@ -170,7 +170,8 @@ def probe_version(version: str) -> dict:
 def fmt_features(r: dict) -> tuple[str, str]:
     info = r.get("tree_info") or {}
     feats = info.get("features") or {}
-    shown = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "server_schema"]
+    shown = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "server_schema",
+             "const_execution"]
     present = ", ".join(f for f in shown if feats.get(f))
     missing = ", ".join(f for f in shown if f in feats and not feats[f])
     return present or "—", missing or "—"

@@ -474,7 +474,7 @@ def main(argv: list[str]) -> int:
         sources += ["tools/server/server-task.cpp", "tools/server/server-chat.cpp"]
     for name in LOSSES:
         if not features[name]["present"]:
-            notes.append(f"this tree has no {features[name]['what']}")
+            notes.append(f"not in this tree: {features[name]['what']}")
 
     info = {"features": {k: v["present"] for k, v in features.items()},
             "feature_docs": {k: v["what"] for k, v in features.items()},
