@@ -3,12 +3,12 @@ regenerate docs/versions.md (and docs/versions.json).
 
     python benchmarks/versions.py                       # every version in the lock
     python benchmarks/versions.py --versions 0.3.35 0.3.36
+    python benchmarks/versions.py --changes-only       # only the diffs between consecutive cores
     python benchmarks/versions.py --from-json docs/versions.json   # only rewrite the Markdown
 
-Per version it builds a wheel from this checkout with ``LLAMAPROMPT_LLAMA_CPP=<version>``
-in its own build directory (``build/llama.cpp-<version>``, as .ci/run; ccache, when installed,
-shares objects between runs), installs it into its own virtual environment
-(``build/ci-venv-<version>``, which sees this interpreter's packages, so only llamaprompt differs), and records:
+Per version it builds the core (``llamaprompt cores add <version>``: the build directory and
+the module stay in ~/.cache/llamaprompt, so a rerun is incremental; the pin is the built-in
+core) and records, with that core loaded in-process (``LLAMAPROMPT_CORE``):
 
 - the commit and date (from the lock), whether the tree configured and built (or the
   message that stopped it), the build time;
@@ -17,6 +17,9 @@ shares objects between runs), installs it into its own virtual environment
 - the reference suites (tests/test_reference.py, tests/test_gguf.py, tests/test_fast_path.py)
   when ../shared/reference holds a recording of that commit: pytest's counts and the number
   of recorded cases they compare.
+
+Then, between consecutive trees that have a core, ``diff-versions`` over every shipped
+template and the default request set: the "What changed between consecutive trees" section.
 
 Nothing in docs/versions.md is edited by hand. Not run by CI (it builds seven trees, about
 ten minutes each on 2 cores when nothing is cached).
@@ -32,7 +35,6 @@ import re
 import subprocess
 import sys
 import time
-import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,56 +89,72 @@ def pytest_counts(output: str) -> dict[str, int]:
 
 
 def one_version(version: str) -> dict:
+    """Build the core for ``version`` (``llamaprompt cores add``; the pin is the built-in core)
+    and run the default render and the reference suites on it (``LLAMAPROMPT_CORE``)."""
     entry = LOCK["versions"][version]
-    out: dict = {"version": version, "commit": entry["commit"], "date": entry.get("date"),
-                 "pinned": version == LOCK["source"]["version"]}
+    pinned = version == LOCK["source"]["version"]
+    out: dict = {"version": version, "commit": entry["commit"], "date": entry.get("date"), "pinned": pinned}
     work = ROOT / "build" / "versions" / version
     work.mkdir(parents=True, exist_ok=True)
-    # the same build directory and venv as .ci/run uses for a tree other than the pin
-    build_dir = ROOT / "build" / f"llama.cpp-{version}"
-    env = {**os.environ, "LLAMAPROMPT_LLAMA_CPP": version, "SKBUILD_BUILD_DIR": str(build_dir)}
-    env.pop("LLAMAPROMPT_LLAMA_CPP_DIR", None)
-    wheels = work / "wheel"
-    for old in wheels.glob("*.whl"):
-        old.unlink()
-    print(f"[{version}] building the wheel (llama.cpp {entry['commit']}) ...", flush=True)
-    t0 = time.monotonic()
-    rc, log = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), "."], env=env,
-                  log=work / "build.log")
-    out["build_seconds"] = round(time.monotonic() - t0)
-    # pip hides CMake's output unless the build fails: a wheel means configuration succeeded
-    out["configured"] = rc == 0 or "Build files have been written" in log or "-- Generating done" in log
-    if rc != 0:
-        out["built"] = False
-        out["error"] = configure_error(log)
-        print(f"[{version}] failed: {out['error']}", flush=True)
-        return out
-    out["built"] = True
-    env_dir = ROOT / "build" / f"ci-venv-{version}"
-    if not (env_dir / "bin" / "python").exists():
-        venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
-    py = str(env_dir / "bin" / "python")
-    wheel = next(wheels.glob("*.whl"))
-    rc, log = run([py, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--quiet", str(wheel)])
-    if rc != 0:
-        out["error"] = "install failed: " + log.strip().splitlines()[-1]
-        return out
-    rc, info = run([py, "-c", "import json, llamaprompt; print(json.dumps(llamaprompt.tree_info()))"])
+    env = dict(os.environ)
+    env.pop("LLAMAPROMPT_CORE", None)
+    if not pinned:
+        print(f"[{version}] building the core (llama.cpp {entry['commit']}) ...", flush=True)
+        t0 = time.monotonic()
+        rc, log = run([sys.executable, "-m", "llamaprompt.cli", "cores", "add", version, "--no-progress",
+                       "--source", str(ROOT)], env=env, log=work / "build.log")
+        out["build_seconds"] = round(time.monotonic() - t0)
+        out["configured"] = rc == 0 or "llamaprompt: cannot build" not in log
+        if rc != 0:
+            out["built"] = False
+            out["error"] = configure_error(log)
+            print(f"[{version}] failed: {out['error']}", flush=True)
+            return out
+        env["LLAMAPROMPT_CORE"] = version
+    out["configured"] = out["built"] = True
+    rc, info = run([sys.executable, "-c", "import json, llamaprompt; print(json.dumps(llamaprompt.tree_info()))"],
+                   env=env)
     out["tree_info"] = json.loads(info) if rc == 0 else {"error": info.strip()}
-    rc, prompt = run([str(env_dir / "bin" / "llamaprompt"), "render"])
+    rc, prompt = run([sys.executable, "-m", "llamaprompt.cli", "render"], env=env)
     out["render"] = {"ok": rc == 0 and bool(prompt), "bytes": len(prompt.encode())}
     folder, n_cases = reference_for(entry["commit"])
     if folder is None:
         out["reference"] = None
     else:
         print(f"[{version}] reference suites ({folder}) ...", flush=True)
-        tenv = {**os.environ, "LLAMAPROMPT_REQUIRE_REFERENCE": "1"}
-        rc, log = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *REFERENCE_SUITES], env=tenv,
+        tenv = {**env, "LLAMAPROMPT_REQUIRE_REFERENCE": "1"}
+        rc, log = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *REFERENCE_SUITES], env=tenv,
                       log=work / "reference.log")
         out["reference"] = {"folder": str(folder.relative_to(folder.parents[1]) if "versions" in folder.parts
                                           else folder.name),
                             "cases": n_cases, "pytest": pytest_counts(log), "ok": rc == 0}
     print(f"[{version}] done", flush=True)
+    return out
+
+
+def changes(versions: list[str]) -> list[dict]:
+    """diff-versions between consecutive trees that have a core (the pin's is the built-in one),
+    over every template shipped with llamaprompt and the default request set."""
+    import llamaprompt
+    from llamaprompt import cores
+    from llamaprompt import versions as lv
+
+    have = {c.name for c in cores.installed_cores() if c.usable} | {cores.builtin_core().name}
+    built = [v for v in versions if v in have]
+    templates = lv.file_templates([str(p) for p in llamaprompt.pinned_templates()])
+    out = []
+    for a, b in zip(built, built[1:]):
+        print(f"[changes] {a} -> {b} ...", flush=True)
+        report = lv.diff_versions(templates, from_core=a, to_core=b, progress=False)
+        per_template = {}
+        for name, entry in report["templates"].items():
+            kinds: dict[str, list[str]] = {}
+            for rname, c in entry.get("cases", {}).items():
+                kinds.setdefault(c["change"], []).append(rname)
+            per_template[name] = {"caps": entry.get("caps", {}), "load": entry.get("load"), "cases": kinds}
+        out.append({"from": report["from"], "to": report["to"], "summary": report["summary"],
+                    "summary_line": lv.summary_line(report), "templates": per_template,
+                    "skipped": [v for v in versions[versions.index(a) + 1 : versions.index(b)]]})
     return out
 
 
@@ -177,14 +195,14 @@ def fmt_features(r: dict) -> tuple[str, str]:
     return present or "—", missing or "—"
 
 
-def markdown(results: list[dict], generated: str) -> str:
+def markdown(results: list[dict], generated: str, changelog: list[dict] | None = None) -> str:
     lines = [
         "# llamaprompt against each llama.cpp tree",
         "",
         "Regenerated by `python benchmarks/versions.py` (do not edit): for each llama-cpp-python",
-        "source distribution in `third_party/llama.cpp.lock`, llamaprompt was built with",
-        "`LLAMAPROMPT_LLAMA_CPP=<version> pip install .` against the llama.cpp tree it vendors, then",
-        "`llamaprompt render` was run and, where `../shared/reference` holds a recording of that",
+        "source distribution in `third_party/llama.cpp.lock`, llamaprompt's core was built against the",
+        "llama.cpp tree it vendors (`llamaprompt cores add <version>`; the pin's is the built-in core), then",
+        "`llamaprompt render` was run on it and, where `../shared/reference` holds a recording of that",
         "commit by an unmodified llama-server, the reference suites (`tests/test_reference.py`,",
         "`tests/test_gguf.py`, `tests/test_fast_path.py`) were run against it. Rows marked",
         "*probe only* come from `--probe-only`: the tree was fetched and the configure-time probe",
@@ -215,6 +233,44 @@ def markdown(results: list[dict], generated: str) -> str:
             f"| {'—' if r.get('built') is None else 'yes' if r.get('built') else 'no'} "
             f"| {'ok' if (r.get('render') or {}).get('ok') else '—'} | {present} | {missing} | {cases} | {refcell} |"
         )
+    if changelog:
+        lines += [
+            "",
+            "## What changed between consecutive trees",
+            "",
+            "`llamaprompt diff-versions --from A --to B` between each pair of consecutive trees that have a",
+            "core, over every template shipped with llamaprompt (the pinned tree's files) and the default",
+            "request set (`llamaprompt.fixtures.default_requests()`): caps that changed, and per request",
+            "whether the prompt changed, the error changed, it now fails or now renders.",
+            "",
+            "| from → to | templates changed | cases changed | caps changed | prompt changed | error changed "
+            "| now fails | now renders |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for c in changelog:
+            s_ = c["summary"]
+            k = s_["by_change"]
+            skipped = f" (skipping {', '.join(c['skipped'])})" if c["skipped"] else ""
+            lines.append(
+                f"| {c['from']['name']} → {c['to']['name']}{skipped} | {s_['templates_changed']} of {s_['templates']} "
+                f"| {s_['cases_changed']:,} of {s_['cases']:,} | {s_['caps_changed']} | {k['prompt_changed']} "
+                f"| {k['error_changed']} | {k['now_fails']} | {k['now_renders']} |"
+            )
+        for c in changelog:
+            lines += ["", f"### {c['from']['name']} (`{c['from']['commit']}`) → {c['to']['name']} "
+                      f"(`{c['to']['commit']}`)", "", c["summary_line"] + ".", ""]
+            if not c["templates"]:
+                lines.append("Nothing changed.")
+            for name, t in c["templates"].items():
+                parts = []
+                if t.get("load"):
+                    def err(e):
+                        return "loads" if not e else f"fails to load ({e['message'][:80]})"
+                    parts.append(f"load: {err(t['load']['from'])} → {err(t['load']['to'])}")
+                parts += [f"caps {key} {old} → {new}" for key, (old, new) in t["caps"].items()]
+                for kind, reqs in t["cases"].items():
+                    parts.append(f"{kind.replace('_', ' ')}: {', '.join(reqs)}")
+                lines.append(f"- `{name}`: " + "; ".join(parts))
     lines += ["", "## Per tree: what the build adapted to", ""]
     for r in results:
         lines.append(f"### {r['version']} (llama.cpp `{r['commit']}`)")
@@ -237,16 +293,22 @@ def markdown(results: list[dict], generated: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", nargs="+", default=sorted(LOCK["versions"]), help="versions to build")
     ap.add_argument("--from-json", type=Path, help="rewrite docs/versions.md from this JSON only")
+    ap.add_argument("--changes-only", action="store_true",
+                    help="only recompute the changes between consecutive trees (cores already built)")
     ap.add_argument("--probe-only", action="store_true",
                     help="fetch each tree and run the configure-time probe only (no compilation)")
     args = ap.parse_args(argv)
     if args.from_json:
         data = json.loads(args.from_json.read_text())
-        (DOCS / "versions.md").write_text(markdown(data["results"], data["generated"]))
+        (DOCS / "versions.md").write_text(markdown(data["results"], data["generated"], data.get("changes")))
         return 0
     unknown = [v for v in args.versions if v not in LOCK["versions"]]
     if unknown:
@@ -255,17 +317,26 @@ def main(argv: list[str] | None = None) -> int:
     path = DOCS / "versions.json"
     if path.exists():
         previous = {r["version"]: r for r in json.loads(path.read_text())["results"]}
-    for v in args.versions:
+    changelog = json.loads(path.read_text()).get("changes") if path.exists() else None
+
+    def write() -> None:
+        results = [previous[k] for k in sorted(previous, key=version_key)]
+        generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        path.write_text(json.dumps({"generated": generated, "results": results, "changes": changelog}, indent=1)
+                        + "\n")
+        (DOCS / "versions.md").write_text(markdown(results, generated, changelog))
+
+    for v in [] if args.changes_only else args.versions:
         if args.probe_only:
             if previous.get(v, {}).get("built"):
                 continue  # keep the measured row
             previous[v] = probe_version(v)
         else:
             previous[v] = one_version(v)
-        results = [previous[k] for k in sorted(previous, key=lambda s: tuple(int(x) for x in s.split(".")))]
-        generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        path.write_text(json.dumps({"generated": generated, "results": results}, indent=1) + "\n")
-        (DOCS / "versions.md").write_text(markdown(results, generated))
+        write()
+    if not args.probe_only:
+        changelog = changes(sorted(LOCK["versions"], key=version_key))
+        write()
     failed = [r["version"] for r in previous.values() if r.get("reference") and not r["reference"]["ok"]]
     return 1 if failed else 0
 

@@ -3,10 +3,14 @@ unmodified llama-server from the pinned llama.cpp commit) and date masking."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import re
+import socket
+import threading
+import time
 from functools import cache
 from pathlib import Path
 
@@ -142,3 +146,24 @@ def template_path(name: str) -> Path:
 @pytest.fixture(scope="session")
 def qwen3() -> llamaprompt.ChatTemplate:
     return llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run an ASGI app with uvicorn on a free loopback port in a thread; yields its base URL."""
+    uvicorn = pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import llamaprompt
-from conftest import load_reference, mask_dates, template_path, vocab_gguf
+from conftest import load_reference, mask_dates, serving, template_path, vocab_gguf
 from llamaprompt import fixtures as fx
 
 CLI = [sys.executable, "-m", "llamaprompt.cli"]
@@ -205,15 +202,8 @@ def test_fixtures_cli(tmp_path):
 # HTTP endpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    uvicorn = pytest.importorskip("uvicorn")
     from llamaprompt.server import create_app
 
     ref = load_reference("apply_template.json")
@@ -229,20 +219,8 @@ def server():
         for name in ref["variants"][0]["templates"]
     }
     templates["phi3.gguf"] = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-phi-3.gguf"))
-    port = _free_port()
-    config = uvicorn.Config(
-        create_app(templates, max_body_bytes=64 * 1024), host="127.0.0.1", port=port, log_level="warning"
-    )
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(templates, max_body_bytes=64 * 1024)) as url:
+        yield url
 
 
 def _http(url, body=None, raw=None):

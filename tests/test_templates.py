@@ -43,7 +43,8 @@ def test_every_pinned_template_loads(path):
 
 def test_props_shape(qwen3):
     props = qwen3.props()
-    assert set(props) == {"chat_template", "chat_template_caps", "bos_token", "eos_token", "media_marker"}
+    assert set(props) == {"chat_template", "chat_template_caps", "bos_token", "eos_token", "media_marker", "modalities"}
+    assert props["modalities"] == {"vision": True, "video": True, "audio": True}  # media=True, the default
     assert props["chat_template_caps"] == qwen3.caps
     assert props["media_marker"] == "<__media__>"
     assert props["chat_template"] == qwen3.source

@@ -27,6 +27,8 @@ PYBIND11_MODULE(_core, m) {
     m.attr("LLAMA_CPP_COMMIT") = LLAMAPROMPT_LLAMA_CPP_COMMIT;
     m.attr("LLAMA_CPP_SOURCE") = LLAMAPROMPT_LLAMA_CPP_SOURCE;
     m.attr("LLAMA_CPP_DIR") = LLAMAPROMPT_LLAMA_CPP_DIR;  // the tree's folder at build time
+    m.attr("SOURCE_HASH") = LLAMAPROMPT_SOURCE_HASH;     // llamaprompt's build inputs (cores.source_hash)
+    m.attr("SOURCE_DIR") = LLAMAPROMPT_SOURCE_DIR;       // where they were at build time
     // what third_party/adapt_tree.py found in the tree (features, rewrites applied or skipped)
     m.attr("TREE_INFO_JSON") = LP_TREE_INFO_JSON;
     m.attr("CAPS_KEYS") = llamaprompt::caps_keys();

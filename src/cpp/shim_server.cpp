@@ -106,8 +106,9 @@ server_chat_params make_server_chat_params(const common_params & params, common_
     // mirrors tools/server/server-context.cpp, load_model(), "populate chat template params":
     //   template_supports_thinking = params_base.use_jinja && common_chat_templates_support_enable_thinking(...)
     //   enable_thinking = params_base.enable_reasoning != 0 && template_supports_thinking
-    // and the server_chat_params initializer that follows it. allow_image/audio/video are what
-    // a loaded vision+audio projector reports (the reference fixtures were made with one).
+    // and the server_chat_params initializer that follows it. allow_image/audio/video start as
+    // a loaded vision+audio projector reports them (the reference fixtures were made with one);
+    // ChatTemplate(media=...) then sets them (core_template::set_media).
     const bool template_supports_thinking =
         params.use_jinja && common_chat_templates_support_enable_thinking(tmpls.get());
     const bool enable_thinking = params.enable_reasoning != 0 && template_supports_thinking;

@@ -206,6 +206,15 @@ class core_template {
     }
 
     bool enable_thinking() const { return opt_.enable_thinking; }
+
+    // which media a request may carry: llama-server sets these from the loaded projector
+    // (mtmd_support_vision / _audio, mtmd_helper_support_video; all false without --mmproj).
+    // Called once by ChatTemplate right after construction, before the object is shared.
+    void set_media(bool image, bool audio, bool video) {
+        opt_.allow_image = image;
+        opt_.allow_audio = audio;
+        opt_.allow_video = video;
+    }
     bool use_jinja() const { return use_jinja_; }
     // how many apply_template calls took the prompt-only path (tests, benchmarks)
     uint64_t prompt_only_renders() const { return prompt_only_renders_->load(); }
@@ -219,6 +228,12 @@ class core_template {
         props["bos_token"] = text_to_py(bos_token_);
         props["eos_token"] = text_to_py(eos_token_);
         props["media_marker"] = text_to_py(call_.media_marker);
+        // {"vision", "video", "audio"}: what the projector supports (has_inp_image/video/audio)
+        py::dict modalities;
+        modalities["vision"] = opt_.allow_image;
+        modalities["video"] = opt_.allow_video;
+        modalities["audio"] = opt_.allow_audio;
+        props["modalities"] = modalities;
         const std::string tool_use = source("tool_use");
         if (use_jinja_ && !tool_use.empty()) {
             props["chat_template_tool_use"] = text_to_py(tool_use);
@@ -510,6 +525,7 @@ void register_template(py::module_ & m) {
         .def("caps", &core_template::caps)
         .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); })
         .def("enable_thinking", &core_template::enable_thinking)
+        .def("set_media", &core_template::set_media, py::arg("image"), py::arg("audio"), py::arg("video"))
         .def("props", &core_template::props)
         .def("apply_template", &core_template::apply_template, py::arg("body"), py::arg("timeout") = -1.0)
         .def("apply_template_many", &core_template::apply_template_many, py::arg("bodies"), py::arg("threads"),

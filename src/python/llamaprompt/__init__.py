@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import logging as _logging
 
+from . import cores as _cores
+
+_cores.load_from_env()  # LLAMAPROMPT_CORE: another core as the in-process one (before any use of _core)
+
+# isort: split
 from ._version import __version__
-from .errors import Error, FeatureError, GGUFError, RequestError, ServerArgsError, TemplateError
+from .errors import CoreError, Error, FeatureError, GGUFError, RequestError, ServerArgsError, TemplateError
 from .gguf import gguf_metadata
 from .hooks import register_hook, registered_hooks, unregister_hook
 from .legacy import builtin_template_names, llama_chat_apply_template
+from .options import DEFAULT_MEDIA_MARKER
 from .params import ChatParams
 from .pinned import pinned_template, pinned_templates
-from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+from .template import ChatTemplate
 from .tree import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, features, tree_info
 
 # llama.cpp's log lines reach logging.getLogger("llamaprompt.llama_cpp"); silent unless the
@@ -34,6 +40,7 @@ __all__ = [
     "features",
     "tree_info",
     "FeatureError",
+    "CoreError",
     "__version__",
     "ChatTemplate",
     "ChatParams",

@@ -1,7 +1,7 @@
 """Render throughput: :meth:`ChatTemplate.apply_template` against its peers, in one run.
 
 For each template and each request of a request set (default: every template of the
-pinned tree x the default request set, ``llamaprompt/data/requests.json``), the
+pinned tree x the default request set, ``llamaprompt/resources/requests.json``), the
 per-call time of:
 
 - ``llamaprompt`` -- :meth:`ChatTemplate.apply_template` with the fast path (the default);

@@ -12,6 +12,12 @@
     llamaprompt diff REFERENCE.json OTHER.json [--format markdown|json]
     llamaprompt serve (--template FILE... | --gguf FILE...) [--host H] [--port N]
     llamaprompt bench [--template FILE... | --pinned [NAME...]] [--server-url URL] [--json OUT] [--plot OUT.png]
+    llamaprompt cores (add VERSION | add --llama-cpp-dir DIR | list | remove VERSION)
+    llamaprompt diff-versions --from VERSION --to VERSION [-t FILE... | --gguf FILE... | --pinned [NAME...]]
+                              [--requests R.json] [--json OUT] [-- llama-server flags]
+
+``--llama-cpp VERSION`` (render, caps, ..., fixtures, check, serve) renders with the core built
+for that llama.cpp (``llamaprompt cores add VERSION``) instead of the built-in one.
 
 ``--gguf FILE`` (render, caps, props, normalize) takes the template from a model file.
 
@@ -32,9 +38,11 @@ from typing import Any
 from . import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, __version__
 from .errors import Error, RequestError
 from .gguf import gguf_metadata
+from .options import DEFAULT_MEDIA_MARKER
+from .options import media_kinds as _media
 from .pinned import DEFAULT_TEMPLATE, pinned_template, pinned_templates
 from .samples import SAMPLE_REQUEST
-from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+from .template import ChatTemplate
 
 __all__ = ["main"]
 
@@ -91,6 +99,18 @@ def _template_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--caps", metavar="JSON", help="force caps, e.g. '{\"supports_typed_content\": true}'")
     g.add_argument(
+        "--media",
+        metavar="KINDS",
+        default=None,
+        help="media parts requests may carry, as llama-server with a projector supporting them: a comma list of "
+        "image, audio, video (default: all three, as with a vision+audio --mmproj)",
+    )
+    g.add_argument(
+        "--no-media",
+        action="store_true",
+        help="as llama-server without --mmproj: media parts are refused ('image input is not supported ...')",
+    )
+    g.add_argument(
         "--handler",
         choices=("auto", "autoparser", "pure_content"),
         default="auto",
@@ -103,6 +123,12 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="one llama-server flag or value (repeatable; write --server-arg=--flag); "
         "flags after a bare -- are added too",
+    )
+    g.add_argument(
+        "--llama-cpp",
+        metavar="VERSION",
+        help="render with the core built for this llama.cpp (a llama-cpp-python version such as 0.3.33, or a "
+        "commit; see: llamaprompt cores list) instead of the built-in one",
     )
 
 
@@ -248,11 +274,29 @@ def _parser() -> argparse.ArgumentParser:
         g.add_argument("--add-eos", action="store_true", help="template files: strip one trailing EOS")
         g.add_argument("--media-marker", default=DEFAULT_MEDIA_MARKER, metavar="S")
         g.add_argument(
+            "--media",
+            metavar="KINDS",
+            default=None,
+            help="media parts requests may carry, as llama-server with a projector supporting them: a comma list of "
+            "image, audio, video (default: all three, as with a vision+audio --mmproj)",
+        )
+        g.add_argument(
+            "--no-media",
+            action="store_true",
+            help="as llama-server without --mmproj: media parts are refused ('image input is not supported ...')",
+        )
+        g.add_argument(
             "--server-arg",
             action="append",
             default=[],
             metavar="ARG",
             help="one llama-server flag (repeatable); flags after a bare -- are added too",
+        )
+        g.add_argument(
+            "--llama-cpp",
+            metavar="VERSION",
+            help="render with the core built for this llama.cpp (a llama-cpp-python version such as 0.3.33, or a "
+            "commit; see: llamaprompt cores list) instead of the built-in one",
         )
 
     p = sub.add_parser(
@@ -273,6 +317,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="re-render a fixtures file and report the cases that differ (exit 1)")
     p.add_argument("fixtures", metavar="FIXTURES.json")
     p.add_argument("--mask-dates", action="store_true", help="compare with dates printed by templates masked")
+    p.add_argument("--llama-cpp", metavar="VERSION", help="re-render with the core built for this llama.cpp")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
@@ -287,6 +332,65 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("markdown", "json"), default="markdown")
     p.add_argument("--mask-dates", action="store_true", help="compare with dates masked")
     p.add_argument("--context", type=int, default=30, metavar="N", help="characters of context (default 30)")
+
+    p = sub.add_parser(
+        "cores",
+        help="build, list and remove cores for other llama.cpp trees (llama_cpp=, --llama-cpp)",
+        description="A core is llamaprompt's C++ module built against one llama.cpp tree. The package has one "
+        "built in; 'cores add' builds more into the per-user cache (~/.cache/llamaprompt/cores; minutes, "
+        "incremental afterwards), and every command's --llama-cpp VERSION (ChatTemplate(llama_cpp=...)) then "
+        "renders with it, in a worker process.",
+    )
+    csub = p.add_subparsers(dest="cores_command", required=True, metavar="ACTION")
+    c = csub.add_parser("add", help="build a core for a llama-cpp-python version's tree, or a llama.cpp folder")
+    c.add_argument("version", nargs="?", metavar="VERSION", help="llama-cpp-python version, e.g. 0.3.33")
+    c.add_argument("--llama-cpp-dir", metavar="DIR", help="a llama.cpp source tree instead of a version")
+    c.add_argument(
+        "--source", metavar="DIR", help="llamaprompt's sources (default: where the package was built from)"
+    )
+    c.add_argument("-j", "--jobs", type=_positive, metavar="N", help="parallel compile jobs")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = csub.add_parser("list", help="the built-in core and the installed ones: commit, date, features, size")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c = csub.add_parser("remove", help="delete an installed core")
+    c.add_argument("name", metavar="VERSION|COMMIT")
+
+    p = sub.add_parser(
+        "diff-versions",
+        help="what changes for templates between two llama.cpp trees (caps, prompts, errors); exit 1 if any",
+        description="Load each template with two cores (llamaprompt cores list) and render every request with "
+        "both: per template the chat_template_caps that changed, per request whether the prompt changed (first "
+        "differing offset and both excerpts), the error changed, it now fails or now renders; then a summary "
+        "line. Exit status 0 when nothing changed, 1 when something did, 2 on error.",
+    )
+    p.add_argument("--from", dest="from_core", required=True, metavar="VERSION", help="the old llama.cpp core")
+    p.add_argument("--to", dest="to_core", required=True, metavar="VERSION", help="the new llama.cpp core")
+    g = p.add_argument_group("templates (default: every template shipped with llamaprompt)")
+    g.add_argument("--template", "-t", nargs="+", action="extend", default=[], metavar="FILE", help="template files")
+    g.add_argument("--templates", metavar="DIR", help="every *.jinja file in DIR")
+    g.add_argument("--gguf", nargs="+", action="extend", default=[], metavar="FILE", help="GGUF model files")
+    g.add_argument("--pinned", nargs="*", metavar="NAME", default=None, help="shipped templates by name (or all)")
+    g.add_argument("--bos-token", default="", metavar="S", help="BOS text for template files (default: empty)")
+    g.add_argument("--eos-token", default="", metavar="S", help="EOS text for template files (default: empty)")
+    g.add_argument("--add-bos", action="store_true", help="template files: strip one leading BOS")
+    g.add_argument("--add-eos", action="store_true", help="template files: strip one trailing EOS")
+    g.add_argument(
+        "--server-arg",
+        "--server-args",
+        dest="server_arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one llama-server flag for both sides (repeatable); flags after a bare -- are added too",
+    )
+    p.add_argument(
+        "--requests",
+        metavar="REQUESTS.json",
+        help="name -> request body, or a fixtures/reference file (its 'requests'); default: the shipped set",
+    )
+    p.add_argument("--json", metavar="OUT.json", help="also write the full report as JSON (- for stdout)")
+    p.add_argument("--context", type=_non_negative_int, default=30, metavar="N", help="excerpt characters (30)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
         "bench",
@@ -374,6 +478,10 @@ def _load_many(
     if args.pinned is not None:
         paths += [pinned_template(n) for n in args.pinned] if args.pinned else pinned_templates()
     sargs = [*args.server_arg, *server_args]
+    if getattr(args, "llama_cpp", None):
+        extra = {"llama_cpp": args.llama_cpp, **extra}
+    if hasattr(args, "media"):
+        extra = {"media": _media_arg(args), **extra}
     out: dict[str, Any] = {}
 
     def name_for(path: Path) -> str:
@@ -398,6 +506,19 @@ def _load_many(
     if not out:
         raise UsageError("no templates: give --template, --templates DIR, --gguf or --pinned")
     return out
+
+
+def _media_arg(args: argparse.Namespace) -> Any:
+    if args.no_media and args.media is not None:
+        raise UsageError("--media and --no-media cannot be combined")
+    if args.no_media:
+        return False
+    if args.media is None:
+        return True
+    try:
+        return _media(args.media)
+    except ValueError as e:
+        raise UsageError(f"--media: {e}") from None
 
 
 class UsageError(Exception):
@@ -427,7 +548,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
             raise UsageError(f"--caps: not valid JSON: {e}") from None
         if not isinstance(caps, dict):
             raise UsageError("--caps must be a JSON object of caps keys to booleans")
-    common = {"caps": caps, "handler": args.handler}
+    common = {"caps": caps, "handler": args.handler, "llama_cpp": args.llama_cpp, "media": _media_arg(args)}
     if args.builtin:
         if args.gguf or args.template:
             raise UsageError("--builtin cannot be combined with --template or --gguf")
@@ -494,6 +615,10 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
     try:
         if args.command in ("fixtures", "check", "diff", "serve"):
             return _oracle(args, server_args)
+        if args.command == "cores":
+            return _cores(args)
+        if args.command == "diff-versions":
+            return _diff_versions(args, server_args)
         if args.command == "bench":
             return _bench(args)
         if args.command == "inspect":
@@ -574,6 +699,83 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
     return 0
 
 
+def _cores(args: argparse.Namespace) -> int:
+    from . import cores
+
+    if args.cores_command == "add":
+        if (args.version is None) == (args.llama_cpp_dir is None):
+            raise UsageError("cores add: give a VERSION or --llama-cpp-dir DIR (one of them)")
+        core = cores.add_core(
+            args.version,
+            llama_cpp_dir=args.llama_cpp_dir,
+            source_dir=args.source,
+            jobs=args.jobs,
+            progress=not args.no_progress,
+        )
+        print(f"llamaprompt: installed the llama.cpp {core.label()} core ({core.source}) in {core.path}")
+        return 0
+    if args.cores_command == "remove":
+        core = cores.remove_core(args.name)
+        print(f"llamaprompt: removed the llama.cpp {core.label()} core")
+        return 0
+    rows = [cores.builtin_core(), *cores.installed_cores()]
+    if args.json:
+        _print_json([{**vars(c), "usable": c.usable} for c in rows])
+        return 0
+    table = [("NAME", "COMMIT", "DATE", "FEATURES", "SIZE", "WHERE")]
+    for c in rows:
+        missing = [k for k, v in c.features.items() if not v]
+        feats = f"{len(c.features) - len(missing)}/{len(c.features)}"
+        if missing:
+            feats += f" (no {', '.join(missing)})"
+        where = "built-in" if c.builtin else (c.path or "") if c.usable else "stale: rebuild with cores add"
+        table.append((c.name, c.commit, c.date or "?", feats, f"{c.size / 2**20:.0f} MiB", where))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
+    for r in table:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def _diff_versions(args: argparse.Namespace, server_args: list[str]) -> int:
+    from . import versions
+
+    paths = [str(p) for p in args.template]
+    if args.templates:
+        paths += [str(p) for p in sorted(Path(args.templates).glob("*.jinja"))]
+    if args.pinned is not None:
+        paths += [str(pinned_template(n)) for n in args.pinned] if args.pinned else [str(p) for p in pinned_templates()]
+    if not paths and not args.gguf:
+        paths = [str(p) for p in pinned_templates()]
+    sargs = [*args.server_arg, *server_args]
+    templates = versions.file_templates(
+        paths, server_args=sargs, bos_token=args.bos_token, eos_token=args.eos_token, add_bos=args.add_bos,
+        add_eos=args.add_eos,
+    )
+    templates.update(versions.gguf_templates(args.gguf, server_args=sargs))
+    requests = None
+    if args.requests is not None:
+        requests = _read_json(args.requests)
+        if isinstance(requests, dict) and isinstance(requests.get("requests"), dict):
+            requests = requests["requests"]  # a fixtures or reference file
+        if not isinstance(requests, dict):
+            raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
+    report = versions.diff_versions(
+        templates,
+        from_core=args.from_core,
+        to_core=args.to_core,
+        requests=requests,
+        context=args.context,
+        progress=False if args.no_progress else None,
+    )
+    if args.json == "-":
+        _print_json(report)
+    else:
+        sys.stdout.write(versions.format_diff(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return 1 if report["summary"]["cases_changed"] or report["summary"]["caps_changed"] else 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -643,7 +845,9 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
                 f"note: these fixtures were made with llama.cpp {made_with}; this build is llama.cpp "
                 f"{LLAMA_CPP_COMMIT} ({LLAMA_CPP_SOURCE}): differences below may be llama.cpp's own changes"
             )
-        result = fx.check_fixtures(doc, mask=args.mask_dates, progress=False if args.no_progress else None)
+        result = fx.check_fixtures(
+            doc, mask=args.mask_dates, progress=False if args.no_progress else None, llama_cpp=args.llama_cpp
+        )
         for line in result.describe():
             print(line)
         print(

@@ -14,13 +14,15 @@ answer an HTTP request with an error, that HTTP status:
 - :class:`GGUFError` -- a GGUF file that llama.cpp cannot read.
 - :class:`FeatureError` -- the llama.cpp tree this module was built from does not have
   what the call needs (``llamaprompt.features`` says what it has).
+- :class:`CoreError` -- a core for another llama.cpp tree (``llama_cpp=``) is not installed,
+  cannot be built, or its worker process died.
 
 The class follows the status, whatever the cause (tools/server/server.cpp ``ex_wrapper``).
 """
 
 from __future__ import annotations
 
-__all__ = ["Error", "RequestError", "TemplateError", "ServerArgsError", "GGUFError", "FeatureError"]
+__all__ = ["Error", "RequestError", "TemplateError", "ServerArgsError", "GGUFError", "FeatureError", "CoreError"]
 
 
 class Error(Exception):
@@ -68,3 +70,9 @@ class FeatureError(Error, NotImplementedError):
 
     The message names the feature and the llama.cpp commit; ``llamaprompt.features`` lists
     what the build has. Never raised on the pinned tree."""
+
+
+class CoreError(Error, RuntimeError):
+    """A llamaprompt core for another llama.cpp tree cannot be used: not installed (the
+    message says how to build it), built from other llamaprompt sources, failed to build
+    (the message carries the build's own error), or its worker process died."""

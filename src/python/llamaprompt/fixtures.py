@@ -19,7 +19,8 @@ from typing import Any
 
 from . import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, __version__
 from .errors import Error
-from .template import DEFAULT_MEDIA_MARKER, ChatTemplate
+from .options import DEFAULT_MEDIA_MARKER
+from .template import ChatTemplate
 
 __all__ = [
     "SCHEMA_ID",
@@ -36,17 +37,17 @@ __all__ = [
 
 SCHEMA_ID = "llamaprompt-fixtures"
 SCHEMA_VERSION = 1
-_DATA = Path(__file__).resolve().parent / "data"
+_RESOURCES = Path(__file__).resolve().parent / "resources"  # not "data": that is data.py
 
 
 def default_requests() -> dict[str, Any]:
     """The request set shipped with llamaprompt (name -> OpenAI chat request body)."""
-    return json.loads((_DATA / "requests.json").read_text(encoding="utf-8"))
+    return json.loads((_RESOURCES / "requests.json").read_text(encoding="utf-8"))
 
 
 def schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a fixtures file."""
-    return json.loads((_DATA / "fixtures.schema.json").read_text(encoding="utf-8"))
+    return json.loads((_RESOURCES / "fixtures.schema.json").read_text(encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -131,8 +132,8 @@ def render_fixtures(
     doc: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "schema_version": SCHEMA_VERSION,
-        "llama_cpp_commit": LLAMA_CPP_COMMIT,
-        "llama_cpp_source": LLAMA_CPP_SOURCE,
+        "llama_cpp_commit": first.llama_cpp_commit if first else LLAMA_CPP_COMMIT,
+        "llama_cpp_source": first.llama_cpp_source if first else LLAMA_CPP_SOURCE,
         "llamaprompt_version": __version__,
         "rendered_on": _dt.date.today().isoformat(),
         "options": {
@@ -167,13 +168,14 @@ def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
-def template_from_entry(entry: Mapping[str, Any]) -> ChatTemplate:
+def template_from_entry(entry: Mapping[str, Any], llama_cpp: str | None = None) -> ChatTemplate:
     """Rebuild the ChatTemplate a fixtures entry was rendered with: the GGUF file when the
     entry came from one and the file is still there, else the recorded template text with
-    the recorded BOS/EOS and add_bos/add_eos."""
+    the recorded BOS/EOS and add_bos/add_eos (``llama_cpp``: the core, as ChatTemplate's)."""
     opts = {
         "server_args": entry.get("server_args", []),
         "media_marker": entry.get("media_marker", DEFAULT_MEDIA_MARKER),
+        "llama_cpp": llama_cpp,
     }
     if entry.get("kind") == "gguf" and entry.get("path") and Path(entry["path"]).exists():
         return ChatTemplate.from_gguf(entry["path"], **opts)
@@ -244,15 +246,18 @@ def _same(a: Mapping[str, Any], b: Mapping[str, Any], masked: bool) -> bool:
     return (a.get("error") or {}).get("message") == (b.get("error") or {}).get("message")
 
 
-def check_fixtures(doc: Mapping[str, Any], *, mask: bool = False, progress: bool | None = None) -> CheckResult:
-    """Re-render every case of a fixtures document with this build of llama.cpp and
-    report the cases whose prompt or error differs (``mask`` compares with dates masked)."""
+def check_fixtures(
+    doc: Mapping[str, Any], *, mask: bool = False, progress: bool | None = None, llama_cpp: str | None = None
+) -> CheckResult:
+    """Re-render every case of a fixtures document with this build of llama.cpp (or the
+    ``llama_cpp`` core) and report the cases whose prompt or error differs (``mask``
+    compares with dates masked)."""
     result = CheckResult()
     requests = doc["requests"]
     entries = list(doc["templates"].items())
     for name, entry in _progress(entries, len(entries), "check", progress):
         try:
-            tmpl = template_from_entry(entry)
+            tmpl = template_from_entry(entry, llama_cpp)
         except Error as e:
             got = {"status": e.status or 500, "error": {"message": e.message}}
             for rname, case in entry["cases"].items():

@@ -29,6 +29,6 @@ def gguf_metadata(path: str | os.PathLike[str], *, max_array_items: int = 16) ->
     """
     if max_array_items < 0:
         raise ValueError("max_array_items must be >= 0")
-    from .template import _path
+    from .text import fspath as _path
 
     return _core.gguf_metadata(_path(path), int(max_array_items))

@@ -87,7 +87,8 @@ class ChatParams:
                 expected <format> format", when ``partial`` is false and the parser cannot
                 accept the text -- llama-server fails such a request with that error.
         """
-        from .parse import _utf8, output_parser
+        from .parse import output_parser
+        from .text import utf8 as _utf8
 
         core = output_parser(self, reasoning_format=reasoning_format, parse_tool_calls=parse_tool_calls, stream=False)
         return core.parse(_utf8(text), bool(partial))

@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from .template import _utf8
+from .text import utf8 as _utf8
 from .tree import require
 
 if TYPE_CHECKING:
@@ -21,12 +21,12 @@ def output_parser(
 ) -> _core.OutputParser:
     """The C++ parser for one request: its llama_params through llama-server's
     ``eval_llama_cmpl_schema`` (defaults from the template's server_args)."""
-    require("parse", "parsing model output")
     origin = params._origin
     if origin is None:
         raise ValueError("this ChatParams was not produced by ChatTemplate.apply()")
     template = origin
-    return _core.OutputParser(
+    require("parse", "parsing model output", template._lib)
+    return template._lib.OutputParser(
         json.dumps(params.llama_params, ensure_ascii=False).encode("utf-8", "surrogateescape"),
         [*template._core_server_args],
         template._model,

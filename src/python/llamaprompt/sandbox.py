@@ -33,12 +33,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
+from .options import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT, Options
 from .params import ChatParams
+from .text import fspath, request_body
 
 __all__ = ["UntrustedTemplate", "DEFAULT_TIMEOUT", "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_MEMORY_BYTES"]
 
-DEFAULT_TIMEOUT = 10.0
-DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_MEMORY_BYTES = 4 * 1024 * 1024 * 1024
 
 _ERRORS = {c.__name__: c for c in (Error, RequestError, TemplateError, ServerArgsError, GGUFError)}
@@ -55,7 +55,7 @@ def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_by
             resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, max_memory_bytes))
         except (ImportError, ValueError, OSError):
             pass
-    from .template import ChatTemplate
+    from .template import _restore
 
     def reply_error(e: BaseException) -> None:
         if isinstance(e, Error):
@@ -65,9 +65,8 @@ def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_by
         else:
             conn.send(("error", type(e).__name__, str(e), None))
 
-    kind, args, kwargs = build
     try:
-        template = ChatTemplate.from_gguf(*args, **kwargs) if kind == "gguf" else ChatTemplate(*args, **kwargs)
+        template = _restore(*build)  # (source, gguf_path, tokens, Options): the parent's template
         conn.send(
             (
                 "ok",
@@ -196,14 +195,14 @@ class UntrustedTemplate:
         max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
         **options: Any,
     ) -> None:
-        self._init(("source", (source,), options), timeout, max_output_bytes, max_memory_bytes)
+        tokens = tuple(options.pop(k, d) for k, d in (("bos_token", ""), ("eos_token", ""), ("add_bos", False),
+                                                     ("add_eos", False)))
+        self._init((source, None, tokens), options, timeout, max_output_bytes, max_memory_bytes)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], **options: Any) -> UntrustedTemplate:
         """As ChatTemplate.from_file (the file is read here; the template runs in the worker)."""
-        from .template import _path
-
-        with open(_path(path), "rb") as f:
+        with open(fspath(path), "rb") as f:
             return cls(f.read(), **options)
 
     @classmethod
@@ -217,20 +216,22 @@ class UntrustedTemplate:
         **options: Any,
     ) -> UntrustedTemplate:
         """As ChatTemplate.from_gguf, with the file opened and its template run in the worker."""
-        from .template import _path
-
         self = cls.__new__(cls)
-        self._init(("gguf", (_path(path),), options), timeout, max_output_bytes, max_memory_bytes)
+        chat_template = options.pop("chat_template", None)
+        self._init((chat_template, fspath(path), ("", "", False, False)), options, timeout, max_output_bytes,
+                   max_memory_bytes)
         return self
 
-    def _init(self, build: tuple, timeout: float, max_output_bytes: int, max_memory_bytes: int | None) -> None:
+    def _init(
+        self, parts: tuple, options: dict[str, Any], timeout: float, max_output_bytes: int, max_memory_bytes: int | None
+    ) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
         # the worker's ChatTemplate stops cooperatively at the same budgets (no restart);
-        # killing the worker is the backstop for what cannot be interrupted
-        kind, args, options = build
-        build = (kind, args, {"timeout": float(timeout), "max_output_bytes": int(max_output_bytes), **options})
-        self._build = build
+        # killing the worker is the backstop for what cannot be interrupted. The options are
+        # checked here (the caps names by the worker's core) and rebuilt there as they are.
+        opts = Options.make(None, **{**options, "timeout": float(timeout), "max_output_bytes": int(max_output_bytes)})
+        self._build = (*parts, opts)
         self._timeout = float(timeout)
         self._max_output = int(max_output_bytes)
         self._max_memory = max_memory_bytes
@@ -350,15 +351,11 @@ class UntrustedTemplate:
 
     def apply_template(self, request: Any) -> str:
         """As ChatTemplate.apply_template, in the worker, within the budgets."""
-        from .template import _body
-
-        return self._call("apply_template", _body(request))
+        return self._call("apply_template", request_body(request))
 
     def apply(self, request: Any) -> ChatParams:
         """As ChatTemplate.apply, in the worker (the result has no parser binding)."""
-        from .template import _body
-
-        return ChatParams(**self._call("apply", _body(request)))
+        return ChatParams(**self._call("apply", request_body(request)))
 
     def normalize(
         self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None

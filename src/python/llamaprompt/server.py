@@ -110,7 +110,7 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         name, t = chosen
         data = dict(t.props())
         data["model_alias"] = name
-        data["modalities"] = {"vision": True, "audio": True, "video": True}
+        data.setdefault("modalities", {"vision": True, "audio": True, "video": True})  # as props() reports them
         return JSONResponse(data)
 
     async def models(request: Request):

@@ -6,83 +6,40 @@ import copy
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
 from . import _core
-from .errors import Error, RequestError, TemplateError
+from .cores import core_module
+from .errors import Error, TemplateError
 from .hooks import check_hook, hooks_for, template_sha256
+from .options import (
+    DEFAULT_MAX_OUTPUT_BYTES,
+    DEFAULT_MAX_TOOLS,
+    DEFAULT_MEDIA_MARKER,
+    DEFAULT_TIMEOUT,
+    MEDIA_KINDS,
+    Options,
+    call_timeout,
+)
 from .params import ChatParams
+from .text import Request, fspath, request_body, utf8
 
-__all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "Request"]
+__all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "MEDIA_KINDS", "Request"]
 
-#: The media marker llamaprompt pins by default (llama-server draws a random one per
-#: process unless LLAMA_MEDIA_MARKER is set; the reference fixtures use this one).
-DEFAULT_MEDIA_MARKER = "<__media__>"
-
-#: A request body: a JSON object (mapping) or its JSON text.
-Request = Union[Mapping[str, Any], str, bytes]
-
-
-def _utf8(text: str | bytes, what: str = "value") -> bytes:
-    """UTF-8 bytes for llama.cpp. Surrogate escapes (bytes that were not UTF-8, as prompts
-    come back) become those bytes again; any other lone surrogate cannot be UTF-8 and is
-    passed as its 3 bytes, which llama.cpp then judges as it judges any invalid UTF-8."""
-    if isinstance(text, bytes):
-        return text
-    if not isinstance(text, str):
-        raise TypeError(f"{what} must be str or bytes, not {type(text).__name__}")
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass")
-
-
-def _path(path: Any) -> str:
-    p = os.fspath(path)
-    if isinstance(p, bytes):
-        p = os.fsdecode(p)
-    if "\x00" in p:
-        raise ValueError("path contains a NUL byte")
-    return p
-
-
-_HANDLERS = ("auto", "autoparser", "pure_content")
-#: The chat_template_caps keys of the llama.cpp tree this module was built from
+#: The chat_template_caps keys of the in-process core's llama.cpp tree
 #: (jinja::caps::to_map(); 9 keys on the pin, 8 on trees without supports_reasoning_effort)
 _CAPS_KEYS = tuple(_core.CAPS_KEYS)
 
 
-def _server_args(server_args: Sequence[str], handler: str) -> list[str]:
-    if isinstance(server_args, (str, bytes)):
-        raise TypeError("server_args must be a sequence of strings, e.g. ['--reasoning', 'off']")
-    if handler not in _HANDLERS:
-        raise ValueError(f"handler must be one of {', '.join(_HANDLERS)}, not {handler!r}")
-    args = []
-    for a in server_args:
-        if not isinstance(a, str):
-            raise TypeError(f"server_args items must be str, not {type(a).__name__}")
-        if "\x00" in a or any(0xD800 <= ord(c) <= 0xDFFF for c in a):
-            raise ValueError(f"server_args item {a!r} is not valid text")
-        args.append(a)
-    if handler == "pure_content":
-        args.append("--skip-chat-parsing")  # llama-server's force-pure-content mode
-    return args
-
-
-def _check_caps(caps: Mapping[str, bool] | None) -> dict[str, bool]:
-    if not caps:
-        return {}
-    if not isinstance(caps, Mapping):
-        raise TypeError(f"caps must be a mapping of caps keys to bools, not {type(caps).__name__}")
-    unknown = sorted(set(caps) - set(_CAPS_KEYS))
-    if unknown:
-        raise ValueError(f"unknown caps keys: {', '.join(unknown)} (known: {', '.join(_CAPS_KEYS)})")
-    for k, v in caps.items():
-        if not isinstance(v, bool):
-            raise ValueError(f"caps value for {k} must be a bool, not {type(v).__name__}")
-    return dict(caps)
+def _resolve(options: Options | dict[str, Any]) -> tuple[Any, Options]:
+    """The core that ``llama_cpp`` names, and the options checked against its caps keys."""
+    if isinstance(options, Options):
+        lib = core_module(options.llama_cpp)
+        return lib, options.replace(lib.CAPS_KEYS)
+    lib = core_module(options.get("llama_cpp"))
+    return lib, Options.make(lib.CAPS_KEYS, **options)
 
 
 def _before(request: Request, hooks: list[Any]) -> Request:
@@ -102,55 +59,6 @@ def _before(request: Request, hooks: list[Any]) -> Request:
             if not isinstance(body, Mapping):
                 raise TypeError(f"{type(hook).__name__}.before_request must return the request mapping")
     return body
-
-
-#: Default wall-time budget (seconds) of one template execution in-process.
-DEFAULT_TIMEOUT = 10.0
-#: Default size budget (bytes) of one string repetition (``s * n``) in a template.
-DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024 * 1024
-
-
-#: Default largest number of tools in one request.
-DEFAULT_MAX_TOOLS = 4096
-
-
-def _limit_int(name: str, value: int | None) -> int:
-    """A positive int option for the core; None -> 0 (no limit)."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int or None, not {value!r}")
-    return min(value, 2**62)  # larger is no limit in practice (and fits the core's size_t)
-
-
-def _limits(timeout: float | None, max_output_bytes: int | None) -> tuple[float, int]:
-    """The core's (seconds, bytes); 0 means no limit."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
-    return (0.0 if timeout is None else float(timeout)), _limit_int("max_output_bytes", max_output_bytes)
-
-
-def _call_timeout(timeout: float | None) -> float:
-    """A per-call timeout for the core: -1 keeps the template's."""
-    if timeout is None:
-        return -1.0
-    return _limits(timeout, None)[0]
-
-
-def _body(request: Request) -> bytes:
-    if isinstance(request, (str, bytes)):
-        # the text goes to llama.cpp as it is (its parser, its messages); _core refuses
-        # bodies nested more than 1000 levels deep before parsing them
-        return _utf8(request)
-    if not isinstance(request, Mapping):
-        raise TypeError(f"request must be a mapping or JSON text, not {type(request).__name__}")
-    try:
-        text = json.dumps(dict(request), ensure_ascii=False, allow_nan=False)
-    except ValueError as e:  # NaN/Infinity: not JSON, llama-server could never receive it
-        raise RequestError(f"request is not valid JSON: {e}", 400) from None
-    except RecursionError:
-        raise RequestError("request is nested too deeply", 400) from None
-    return _utf8(text)
 
 
 class ChatTemplate:
@@ -213,12 +121,24 @@ class ChatTemplate:
             raise RequestError (400). llama.cpp's parser and grammar generation grow faster
             than linearly with the tools (5000 take ~7 s and 1.5 GB; 10^5 exhaust memory),
             and llama-server has no limit.
+        media: which media parts requests may carry, as llama-server with a multimodal
+            projector (``--mmproj``) that supports them: ``True`` (the default: image, audio
+            and video, as the reference recordings' vision+audio projector), ``False`` (a
+            text-only server: an image part raises TemplateError 500 "image input is not
+            supported - hint: ..."), or names from ``("image", "audio", "video")`` (a list, or
+            ``"image,audio"``). :meth:`props` reports them under ``modalities``.
+        llama_cpp: which llama.cpp decides: ``None`` (the package's own tree,
+            :data:`llamaprompt.LLAMA_CPP_COMMIT`), or an installed core for another tree, by
+            llama-cpp-python version (``"0.3.33"``) or llama.cpp commit prefix (see
+            :mod:`llamaprompt.cores`; ``llamaprompt cores add 0.3.33`` builds one). Another
+            core runs in a worker process; results and errors are that tree's own.
 
     Raises:
         TemplateError: the template cannot be parsed (llama-server would not start),
             or rendering the probe request llama-server makes at load time fails.
         ServerArgsError: a ``server_args`` flag is unknown, malformed or not accepted.
         ValueError: an unknown ``caps`` key or ``handler``.
+        CoreError: ``llama_cpp`` names no installed core.
 
     A ChatTemplate is immutable and safe to share between threads; the GIL is released
     while llama.cpp works.
@@ -242,66 +162,51 @@ class ChatTemplate:
         timeout: float | None = DEFAULT_TIMEOUT,
         max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
         max_tools: int | None = DEFAULT_MAX_TOOLS,
+        media: bool | str | Iterable[str] = True,
+        llama_cpp: str | None = None,
     ) -> None:
         if not isinstance(source, (str, bytes)):
             raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
-        for name, value in (("bos_token", bos_token), ("eos_token", eos_token), ("media_marker", media_marker)):
+        for name, value in (("bos_token", bos_token), ("eos_token", eos_token)):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, not {type(value).__name__}")
-        args = _server_args(server_args, handler)
-        forced = _check_caps(caps)
-        seconds, max_bytes = _limits(timeout, max_output_bytes)
-        tools_limit = _limit_int("max_tools", max_tools)
+        given = {k: v for k, v in locals().items() if k in Options.names()}  # the keyword options, once
+        self._load_source(source, (bos_token, eos_token, bool(add_bos), bool(add_eos)), given)
+
+    def _load_source(self, source: str | bytes, tokens: tuple[str, str, bool, bool], options: Any) -> None:
+        lib, opts = _resolve(options)
+        bos, eos, add_bos, add_eos = tokens
+        limits = opts.core_limits()
         self._setup(
+            lib,
+            opts,
             source=source,
             gguf_path=None,
             model=None,
-            options={
-                "bos_token": bos_token,
-                "eos_token": eos_token,
-                "add_bos": bool(add_bos),
-                "add_eos": bool(add_eos),
-                "server_args": tuple(server_args),
-                "media_marker": media_marker,
-                "fetch_remote_media": bool(fetch_remote_media),
-                "caps": forced,
-                "handler": handler,
-                "hooks": tuple(hooks),
-                "fast_path": bool(fast_path),
-                "timeout": timeout,
-                "max_output_bytes": max_output_bytes,
-                "max_tools": max_tools,
-            },
-            core=lambda: _core.Template(
-                _utf8(source),
-                _utf8(bos_token),
-                _utf8(eos_token),
-                bool(add_bos),
-                bool(add_eos),
-                args,
-                _utf8(media_marker),
-                bool(fetch_remote_media),
-                forced,
-                handler == "autoparser",
-                bool(fast_path),
-                seconds,
-                max_bytes,
-                tools_limit,
+            tokens=tokens,
+            core=lambda: lib.Template(
+                utf8(source), utf8(bos), utf8(eos), add_bos, add_eos, opts.core_server_args(),
+                utf8(opts.media_marker), opts.fetch_remote_media, opts.caps, opts.handler == "autoparser",
+                opts.fast_path, *limits,
             ),
         )
 
     @property
     def _core_server_args(self) -> list[str]:
-        return _server_args(self._options["server_args"], self._options["handler"])
+        return self._opts.core_server_args()
 
-    def _setup(self, *, source, gguf_path, model, options, core) -> None:
-        for hook in options["hooks"]:
+    def _setup(self, lib: Any, opts: Options, *, source, gguf_path, model, tokens, core) -> None:
+        for hook in opts.hooks:
             check_hook(hook)
+        self._lib = lib
+        self._opts = opts
         self._input_source = source
         self._gguf_path = gguf_path
         self._model = model
-        self._options = options
+        self._tokens = tokens
         self._core = core()
+        kinds = opts.media
+        self._core.set_media("image" in kinds, "audio" in kinds, "video" in kinds)
 
     @classmethod
     def from_gguf(
@@ -319,6 +224,8 @@ class ChatTemplate:
         timeout: float | None = DEFAULT_TIMEOUT,
         max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
         max_tools: int | None = DEFAULT_MAX_TOOLS,
+        media: bool | str | Iterable[str] = True,
+        llama_cpp: str | None = None,
     ) -> ChatTemplate:
         """Load a model's chat template as ``llama-server -m PATH`` does, with no weights.
 
@@ -331,8 +238,8 @@ class ChatTemplate:
             path: the GGUF file.
             chat_template: a template text that replaces the file's, as
                 ``--chat-template-file`` (the file's tokens still apply).
-            server_args, media_marker, fetch_remote_media, caps, handler, hooks: as for the
-                constructor.
+            server_args, media_marker, fetch_remote_media, caps, handler, hooks, media,
+                llama_cpp: as for the constructor.
 
         The result also tokenizes: :meth:`tokenize`, :meth:`detokenize`,
         :meth:`token_to_piece`, :meth:`apply_template_tokens`.
@@ -342,54 +249,32 @@ class ChatTemplate:
             TemplateError: the template in the file (or ``chat_template``) cannot be parsed.
             ServerArgsError: as for the constructor.
         """
-        args = _server_args(server_args, handler)
-        forced = _check_caps(caps)
-        seconds, max_bytes = _limits(timeout, max_output_bytes)
-        tools_limit = _limit_int("max_tools", max_tools)
-        fspath = _path(path)
-        if not isinstance(media_marker, str):
-            raise TypeError(f"media_marker must be a str, not {type(media_marker).__name__}")
-        override = b"" if chat_template is None else _utf8(chat_template)
+        given = {k: v for k, v in locals().items() if k in Options.names()}  # the keyword options, once
+        self = cls.__new__(cls)
+        self._load_gguf(fspath(path), chat_template, given)
+        return self
+
+    def _load_gguf(self, path: str, chat_template: str | bytes | None, options: Any) -> None:
+        lib, opts = _resolve(options)
+        override = b"" if chat_template is None else utf8(chat_template, "chat_template")
         if chat_template is not None and not override:
             raise ValueError("chat_template is empty")
-        model = _core.Model(fspath)
-        self = cls.__new__(cls)
+        model = lib.Model(path)
+        limits = opts.core_limits()
         self._setup(
+            lib,
+            opts,
             source=chat_template,
-            gguf_path=fspath,
+            gguf_path=path,
             model=model,
-            options={
-                "server_args": tuple(server_args),
-                "media_marker": media_marker,
-                "fetch_remote_media": bool(fetch_remote_media),
-                "caps": forced,
-                "handler": handler,
-                "hooks": tuple(hooks),
-                "fast_path": bool(fast_path),
-                "timeout": timeout,
-                "max_output_bytes": max_output_bytes,
-                "max_tools": max_tools,
-                "add_bos": bool(model.add_bos),
-                "add_eos": bool(model.add_eos),
-            },
-            core=lambda: _core.Template(
-                model,
-                override,
-                args,
-                _utf8(media_marker),
-                bool(fetch_remote_media),
-                forced,
-                handler == "autoparser",
-                bool(fast_path),
-                seconds,
-                max_bytes,
-                tools_limit,
+            tokens=("", "", bool(model.add_bos), bool(model.add_eos)),
+            core=lambda: lib.Template(
+                model, override, opts.core_server_args(), utf8(opts.media_marker), opts.fetch_remote_media,
+                opts.caps, opts.handler == "autoparser", opts.fast_path, *limits,
             ),
         )
         props = self._core.props()
-        self._options["bos_token"] = props["bos_token"]
-        self._options["eos_token"] = props["eos_token"]
-        return self
+        self._tokens = (props["bos_token"], props["eos_token"], self._tokens[2], self._tokens[3])
 
     @classmethod
     def builtin(cls, name: str, **options: Any) -> ChatTemplate:
@@ -402,7 +287,7 @@ class ChatTemplate:
         Raises TemplateError for a name llama.cpp does not know.
         """
         # llama-server's own check of `--no-jinja --chat-template NAME`, and its message
-        refusal = _core.check_chat_template_arg(_utf8(name), False)
+        refusal = core_module(options.get("llama_cpp")).check_chat_template_arg(utf8(name), False)
         if refusal:
             raise TemplateError(refusal.rstrip("\n"))
         args = [*options.pop("server_args", ()), "--no-jinja"]
@@ -415,7 +300,7 @@ class ChatTemplate:
         Takes the same keyword options as the constructor. Raises ``OSError`` when the
         file cannot be read, and what the constructor raises.
         """
-        with open(_path(path), "rb") as f:
+        with open(fspath(path), "rb") as f:
             data = f.read()
         return cls(data, **options)
 
@@ -437,12 +322,22 @@ class ChatTemplate:
     @property
     def handler(self) -> str:
         """``"auto"`` (llama.cpp's choice), ``"autoparser"`` or ``"pure_content"``."""
-        return self._options["handler"]
+        return self._opts.handler
+
+    @property
+    def llama_cpp_commit(self) -> str:
+        """The llama.cpp commit whose code renders this template (the ``llama_cpp`` core's)."""
+        return str(self._lib.LLAMA_CPP_COMMIT)
+
+    @property
+    def llama_cpp_source(self) -> str:
+        """Where that core's llama.cpp tree came from, e.g. ``"llama-cpp-python 0.3.35 sdist"``."""
+        return str(self._lib.LLAMA_CPP_SOURCE)
 
     @property
     def hooks(self) -> tuple[Any, ...]:
         """This template's own hooks (registered ones are in :func:`registered_hooks`)."""
-        return self._options["hooks"]
+        return self._opts.hooks
 
     @property
     def sha256(self) -> str:
@@ -453,15 +348,10 @@ class ChatTemplate:
     def with_caps(self, **caps: bool) -> ChatTemplate:
         """A new ChatTemplate with the same template and options and these caps forced on top
         of this one's (this object is unchanged). Raises ValueError for an unknown caps key."""
-        return self._rebuild(caps={**(self._options["caps"] or {}), **caps})
+        return self._rebuild(caps={**self._opts.caps, **caps})
 
     def _rebuild(self, **changes: Any) -> ChatTemplate:
-        opts = {k: v for k, v in self._options.items() if k not in ("add_bos", "add_eos", "bos_token", "eos_token")}
-        opts.update(changes)
-        if self._gguf_path is not None:
-            return type(self).from_gguf(self._gguf_path, chat_template=self._input_source, **opts)
-        opts.update({k: self._options[k] for k in ("add_bos", "add_eos", "bos_token", "eos_token")})
-        return type(self)(self._input_source, **opts)
+        return _restore(self._input_source, self._gguf_path, self._tokens, self._opts.replace(None, **changes))
 
     def describe(self) -> dict[str, Any]:
         """What llama.cpp decided for this template, as one dict: ``chat_format`` (for a
@@ -489,20 +379,20 @@ class ChatTemplate:
             }
         ]
         out: dict[str, Any] = {
-            "llama_cpp_commit": _core.LLAMA_CPP_COMMIT,
-            "llama_cpp_source": _core.LLAMA_CPP_SOURCE,
+            "llama_cpp_commit": self._lib.LLAMA_CPP_COMMIT,
+            "llama_cpp_source": self._lib.LLAMA_CPP_SOURCE,
             "handler": self.handler,
             "use_jinja": bool(self._core.use_jinja()),
             "server_args": list(self._core_server_args),  # incl. what handler= adds
             "caps": self.caps,
             "detected_caps": self.detected_caps,
-            "caps_forced": bool(self._options["caps"]),
+            "caps_forced": bool(self._opts.caps),
             "supports_thinking": self.supports_thinking,
             "template_variant_with_tools": "tool_use" if self.tool_use_source else "default",
         }
         for suffix, body in (("", probe), ("_with_tools", {**probe, "tools": tools})):
             try:
-                res = self._core.apply(_body(body))
+                res = self._core.apply(request_body(body))
             except Error as e:
                 out["error" + suffix] = e.message
                 continue
@@ -530,28 +420,33 @@ class ChatTemplate:
     @property
     def bos_token(self) -> str:
         """The BOS token text given at construction."""
-        return self._options["bos_token"]
+        return self._tokens[0]
 
     @property
     def eos_token(self) -> str:
         """The EOS token text given at construction."""
-        return self._options["eos_token"]
+        return self._tokens[1]
 
     @property
     def add_bos(self) -> bool:
-        return self._options["add_bos"]
+        return self._tokens[2]
 
     @property
     def add_eos(self) -> bool:
-        return self._options["add_eos"]
+        return self._tokens[3]
 
     @property
     def server_args(self) -> tuple[str, ...]:
-        return self._options["server_args"]
+        return self._opts.server_args
 
     @property
     def media_marker(self) -> str:
-        return self._options["media_marker"]
+        return self._opts.media_marker
+
+    @property
+    def media(self) -> tuple[str, ...]:
+        """The media kinds requests may carry (``media=``): a subset of ``("image", "audio", "video")``."""
+        return self._opts.media
 
     @property
     def supports_thinking(self) -> bool:
@@ -563,7 +458,8 @@ class ChatTemplate:
     def props(self) -> dict[str, Any]:
         """The chat-template part of GET /props: ``chat_template``,
         ``chat_template_tool_use`` (when present), ``chat_template_caps``, ``bos_token``,
-        ``eos_token``, ``media_marker``."""
+        ``eos_token``, ``media_marker`` and ``modalities`` (``{"vision", "video", "audio"}``:
+        bools, as ``media=`` set them)."""
         return self._core.props()
 
     # -- requests -----------------------------------------------------------------------
@@ -587,13 +483,13 @@ class ChatTemplate:
             TemplateError: llama-server would answer 500 (e.g. the template raised), or the
                 template execution exceeded a budget (time, stack, output size).
         """
-        hooks = hooks_for(self, self._options["hooks"])
-        seconds = _call_timeout(timeout)
+        hooks = hooks_for(self, self._opts.hooks)
+        seconds = call_timeout(timeout)
         if not hooks:
-            return self._core.apply_template(_body(request), seconds)
+            return self._core.apply_template(request_body(request), seconds)
         if any(hasattr(h, "after_params") for h in hooks):
             return self._apply_hooked(request, hooks, seconds).prompt
-        return self._core.apply_template(_body(_before(request, hooks)), seconds)
+        return self._core.apply_template(request_body(_before(request, hooks)), seconds)
 
     def apply_template_many(
         self,
@@ -633,7 +529,7 @@ class ChatTemplate:
         if isinstance(requests, (Mapping, str, bytes)):
             raise TypeError("requests must be an iterable of requests (e.g. a list of dicts), not one request")
         items = list(requests)
-        if hooks_for(self, self._options["hooks"]):
+        if hooks_for(self, self._opts.hooks):
             from concurrent.futures import ThreadPoolExecutor
 
             def one(request: Request) -> Any:
@@ -648,11 +544,11 @@ class ChatTemplate:
             bodies: list[Any] = []
             for request in items:
                 try:
-                    bodies.append(_body(request))
+                    bodies.append(request_body(request))
                 except (Error, TypeError, ValueError) as e:  # this request's own problem
                     bodies.append(e)
             to_render = [b for b in bodies if isinstance(b, bytes)]
-            rendered = iter(self._core.apply_template_many(to_render, threads, _call_timeout(timeout)))
+            rendered = iter(self._core.apply_template_many(to_render, threads, call_timeout(timeout)))
             results = [next(rendered) if isinstance(b, bytes) else b for b in bodies]
         if not return_exceptions:
             for r in results:
@@ -661,7 +557,7 @@ class ChatTemplate:
         return results
 
     def _apply_hooked(self, request: Request, hooks: list[Any], seconds: float = -1.0) -> ChatParams:
-        params = ChatParams._from_core(self._core.apply(_body(_before(request, hooks)), seconds), self)
+        params = ChatParams._from_core(self._core.apply(request_body(_before(request, hooks)), seconds), self)
         for hook in hooks:
             after = getattr(hook, "after_params", None)
             if after is not None:
@@ -677,11 +573,11 @@ class ChatTemplate:
         ``timeout`` as for :meth:`apply_template`. Raises the same errors as
         :meth:`apply_template`.
         """
-        hooks = hooks_for(self, self._options["hooks"])
-        seconds = _call_timeout(timeout)
+        hooks = hooks_for(self, self._opts.hooks)
+        seconds = call_timeout(timeout)
         if hooks:
             return self._apply_hooked(request, hooks, seconds)
-        return ChatParams._from_core(self._core.apply(_body(request), seconds), self)
+        return ChatParams._from_core(self._core.apply(request_body(request), seconds), self)
 
     def normalize(
         self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
@@ -700,7 +596,7 @@ class ChatTemplate:
         body: dict[str, Any] = {"messages": list(messages)}
         if tools:
             body["tools"] = list(tools)
-        return self._core.normalize(_body(body))
+        return self._core.normalize(request_body(body))
 
     # -- tokens (GGUF-backed templates) -----------------------------------------------
 
@@ -738,7 +634,7 @@ class ChatTemplate:
         Returns a ``numpy.ndarray`` of dtype int32 and shape ``(n,)``.
         Raises TypeError for a template not loaded from a GGUF file.
         """
-        return self._vocab().tokenize(_utf8(text, "text"), bool(add_special), bool(parse_special))
+        return self._vocab().tokenize(utf8(text, "text"), bool(add_special), bool(parse_special))
 
     def detokenize(self, tokens: Iterable[int] | np.ndarray) -> str:
         """Text for token ids, as POST /detokenize (``tokens_to_str``).
@@ -788,16 +684,7 @@ class ChatTemplate:
     # -- pickling: rebuilt from its source (or GGUF path) and options in the other process
 
     def __reduce__(self):
-        keys = (
-            "server_args", "media_marker", "fetch_remote_media", "caps", "handler", "hooks", "fast_path", "timeout",
-            "max_output_bytes", "max_tools",
-        )
-        opts = {k: self._options[k] for k in keys}
-        if self._gguf_path is not None:
-            return (_from_gguf, (self._gguf_path, self._input_source, opts))
-        for k in ("bos_token", "eos_token", "add_bos", "add_eos"):
-            opts[k] = self._options[k]
-        return (_from_source, (self._input_source, opts))
+        return (_restore, (self._input_source, self._gguf_path, self._tokens, self._opts))
 
     def __repr__(self) -> str:
         if self._gguf_path is not None:
@@ -806,9 +693,14 @@ class ChatTemplate:
         return f"ChatTemplate({head!r}..., server_args={list(self.server_args)!r})"
 
 
-def _from_source(source: str | bytes, options: dict[str, Any]) -> ChatTemplate:
-    return ChatTemplate(source, **options)
-
-
-def _from_gguf(path: str, chat_template: str | bytes | None, options: dict[str, Any]) -> ChatTemplate:
-    return ChatTemplate.from_gguf(path, chat_template=chat_template, **options)
+def _restore(
+    source: str | bytes | None, gguf_path: str | None, tokens: tuple[str, str, bool, bool], opts: Options
+) -> ChatTemplate:
+    """A ChatTemplate from its parts (pickling, with_caps, the sandbox's worker)."""
+    self = ChatTemplate.__new__(ChatTemplate)
+    if gguf_path is not None:
+        self._load_gguf(gguf_path, source, opts)
+    else:
+        assert source is not None
+        self._load_source(source, tokens, opts)
+    return self

@@ -46,11 +46,18 @@ def tree_info() -> dict[str, Any]:
     return info
 
 
-def require(feature: str, what: str) -> None:
-    """Raise FeatureError unless the tree has ``feature`` (``what``: the call that needs it)."""
-    if not features.get(feature, False):
-        doc = _INFO["feature_docs"].get(feature, feature)
+def require(feature: str, what: str, core: Any = None) -> None:
+    """Raise FeatureError unless the tree has ``feature`` (``what``: the call that needs it;
+    ``core``: the ``_core`` module or :class:`~llamaprompt.remote.RemoteCore` that will run
+    it, default the in-process one)."""
+    here = core is None or core is _core
+    info = _INFO if here else json.loads(core.TREE_INFO_JSON)
+    if not (features if here else info["features"]).get(feature, False):
+        doc = info["feature_docs"].get(feature, feature)
+        commit, source = (
+            (LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE) if here else (core.LLAMA_CPP_COMMIT, core.LLAMA_CPP_SOURCE)
+        )
         raise FeatureError(
             f"{what} is not available: the llama.cpp tree this module was built from "
-            f"(commit {LLAMA_CPP_COMMIT}, {LLAMA_CPP_SOURCE}) has no {doc}"
+            f"(commit {commit}, {source}) has no {doc}"
         )

@@ -1,0 +1,236 @@
+"""Another llama.cpp core in a worker process, behind the ``_core`` module's own names.
+
+:class:`RemoteCore` stands in for the ``_core`` module of a core built for another llama.cpp
+tree (:mod:`llamaprompt.cores`): its constants (``LLAMA_CPP_COMMIT``, ``CAPS_KEYS``, ...) are
+read once from the worker, its classes (``Template``, ``Model``, ``OutputParser``) make
+objects that live in the worker, and every method call and function call is sent there and
+answered with the core's result or the exception it raised (llamaprompt's error classes
+keep their message and status). ChatTemplate uses it exactly as it uses ``_core``, so the
+Python layer -- hooks, argument checks, ChatParams -- is the same for every core.
+
+The worker is ``python -m llamaprompt.remote`` with ``LLAMAPROMPT_CORE`` naming the core, so
+it loads that module and no other. One worker per core per process, started on first use and
+shared by every template of that core; calls are serialized (the worker releases nothing
+between them). A worker that dies makes the calls raise CoreError; templates made before must
+then be created again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from .cores import CORE_ENV, Core
+from .errors import CoreError
+from .sandbox import _PipeConnection
+
+__all__ = ["RemoteCore", "remote_core"]
+
+_CONSTANTS = ("LLAMA_CPP_COMMIT", "LLAMA_CPP_SOURCE", "LLAMA_CPP_DIR", "TREE_INFO_JSON", "CAPS_KEYS", "SOURCE_HASH")
+
+
+class _Handle:
+    """A reference to an object living in the worker (sent as its id)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: int) -> None:
+        self.id = id
+
+
+def _serve() -> None:
+    """The worker: ``_core`` is the core LLAMAPROMPT_CORE names; answer requests until EOF."""
+    conn = _PipeConnection(sys.stdin.buffer, sys.stdout.buffer)
+    sys.stdout = sys.stderr  # nothing printed may corrupt the channel
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import llamaprompt  # noqa: F401 - loads the core named by LLAMAPROMPT_CORE
+        from llamaprompt import _core
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", CoreError(f"the core worker cannot load its core: {e}")))
+        return
+    objects: dict[int, Any] = {}
+    classes = {n for n in dir(_core) if isinstance(getattr(_core, n), type) and not n.startswith("_")}
+    functions = {n for n in dir(_core) if callable(getattr(_core, n)) and n not in classes and not n.startswith("_")}
+    properties = {
+        c: [n for n, v in vars(getattr(_core, c)).items() if isinstance(v, property)] for c in sorted(classes)
+    }
+    conn.send(
+        (
+            "ok",
+            {
+                "constants": {n: getattr(_core, n) for n in _CONSTANTS},
+                "classes": sorted(classes),
+                "functions": sorted(functions),
+                "properties": properties,
+            },
+        )
+    )
+    core_types = tuple(getattr(_core, n) for n in classes)
+
+    def unwrap(args: tuple) -> list:
+        return [objects[a.id] if isinstance(a, _Handle) else a for a in args]
+
+    while True:
+        try:
+            op, target, name, args, kwargs, dropped = conn.recv()
+        except EOFError:
+            return
+        for h in dropped:
+            objects.pop(h, None)
+        try:
+            if op == "new":
+                obj = getattr(_core, name)(*unwrap(args), **kwargs)
+            elif op == "call":
+                fn = getattr(_core, name) if target is None else getattr(objects[target], name)
+                obj = fn(*unwrap(args), **kwargs)
+            elif op == "get":
+                obj = getattr(objects[target], name)
+            else:
+                raise ValueError(f"unknown operation {op}")
+            if isinstance(obj, core_types):
+                objects[id(obj)] = obj
+                conn.send(("obj", id(obj)))
+            else:
+                conn.send(("ok", obj))
+        except BaseException as e:  # noqa: BLE001 - every exception goes back to the caller
+            try:
+                pickle.dumps(e)
+                conn.send(("error", e))
+            except Exception:  # noqa: BLE001 - an exception that cannot travel: its text does
+                conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+class _RemoteObject:
+    """An object of the worker's core (a Template, Model, OutputParser)."""
+
+    def __init__(self, remote: RemoteCore, handle: int, kind: str) -> None:
+        object.__setattr__(self, "_remote", remote)
+        object.__setattr__(self, "_handle", handle)
+        object.__setattr__(self, "_kind", kind)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        remote, handle = self._remote, self._handle
+        if name in remote._properties.get(self._kind, ()):
+            return remote._request("get", handle, name, (), {})
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return remote._request("call", handle, name, args, kwargs)
+
+        return method
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._remote._dropped.append(self._handle)
+
+    def __repr__(self) -> str:
+        return f"<{self._kind} in the llama.cpp {self._remote.core.label()} core worker>"
+
+
+class RemoteCore:
+    """The ``_core`` module of ``core``, run in a worker process (see the module docstring).
+
+    Attributes are the module's: constants as values, classes as constructors of worker
+    objects, functions as calls. Raises CoreError when the worker cannot start or dies."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._lock = threading.Lock()
+        self._dropped: list[int] = []
+        self._pid = os.getpid()
+        env = {**os.environ, CORE_ENV: str(core.path)}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "llamaprompt.remote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        self._conn = _PipeConnection(self._proc.stdout, self._proc.stdin)
+        kind, info = self._receive()
+        if kind != "ok":
+            raise info
+        self._classes = set(info["classes"])
+        self._functions = set(info["functions"])
+        # attributes of the core's classes that are properties, not methods (read with "get")
+        self._properties = {c: set(p) for c, p in info["properties"].items()}
+        for name, value in info["constants"].items():
+            setattr(self, name, value)
+        atexit.register(self.close)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in self.__dict__.get("_classes", ()) | self.__dict__.get(
+            "_functions", set()
+        ):
+            raise AttributeError(f"the llama.cpp core has no {name!r}")
+        if name in self._classes:
+            return lambda *args, **kwargs: self._request("new", None, name, args, kwargs, kind=name)
+        return lambda *args, **kwargs: self._request("call", None, name, args, kwargs)
+
+    def _receive(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError, pickle.UnpicklingError):
+            code = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._proc.wait(5)
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise CoreError(f"the worker process of the llama.cpp {self.core.label()} core died ({how})") from None
+
+    def _request(self, op: str, target: int | None, name: str, args: tuple, kwargs: dict, kind: str = "") -> Any:
+        if os.getpid() != self._pid:
+            raise CoreError("a core worker cannot be shared with a forked process; create the template there")
+        wire = tuple(_Handle(a._handle) if isinstance(a, _RemoteObject) else a for a in args)
+        with self._lock:
+            dropped, self._dropped[:] = list(self._dropped), []
+            try:
+                self._conn.send((op, target, name, wire, kwargs, dropped))
+            except (OSError, ValueError):
+                raise CoreError(f"the worker process of the llama.cpp {self.core.label()} core is gone") from None
+            status, value = self._receive()
+        if status == "error":
+            raise value
+        if status == "obj":
+            return _RemoteObject(self, value, kind or "object")
+        return value
+
+    def close(self) -> None:
+        """Stop the worker (templates of this core stop working)."""
+        with contextlib.suppress(Exception):
+            self._conn.close()
+        with contextlib.suppress(Exception):
+            self._proc.wait(5)
+        with contextlib.suppress(Exception):
+            if self._proc.poll() is None:
+                self._proc.kill()
+
+
+_REMOTES: dict[tuple[int, str], RemoteCore] = {}
+_REMOTES_LOCK = threading.Lock()
+
+
+def remote_core(core: Core) -> RemoteCore:
+    """The worker for ``core`` in this process (started on first use)."""
+    key = (os.getpid(), str(core.path))
+    with _REMOTES_LOCK:
+        remote = _REMOTES.get(key)
+        if remote is None or remote._proc.poll() is not None:
+            remote = _REMOTES[key] = RemoteCore(core)
+        return remote
+
+
+if __name__ == "__main__":
+    # through the package module, so that _Handle is the class the parent pickles
+    from llamaprompt.remote import _serve as serve
+
+    serve()

@@ -1,0 +1,371 @@
+"""Cores for other llama.cpp trees side by side: building, finding, rendering in a worker,
+and diff-versions checked against the difference of two llama-server recordings.
+
+The tests that need another core use the one for llama-cpp-python 0.3.35's tree
+(``llamaprompt cores add 0.3.35``); they skip without it, and fail instead when
+LLAMAPROMPT_REQUIRE_CORES lists it (CI builds it first)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import llamaprompt
+from conftest import DATE_FORMATS, REPO, mask_dates, shared_reference_dir, template_path
+from llamaprompt import _core, cores
+from llamaprompt.cli import main
+from llamaprompt.versions import diff_versions, file_templates
+
+OTHER = "0.3.35"
+OTHER_COMMIT = "4df29be4f"
+PIN_COMMIT = "0c1e57098"
+
+
+def _require_core(name: str) -> cores.Core:
+    try:
+        return cores.find_core(name)
+    except llamaprompt.CoreError as e:
+        required = os.environ.get("LLAMAPROMPT_REQUIRE_CORES", "").split(",")
+        if name in required:
+            pytest.fail(f"core {name} is required (LLAMAPROMPT_REQUIRE_CORES): {e}", pytrace=False)
+        pytest.skip(f"no core for llama.cpp {name}: build it with `llamaprompt cores add {name}`")
+
+
+@pytest.fixture(scope="module")
+def other_core() -> cores.Core:
+    if llamaprompt.LLAMA_CPP_COMMIT != PIN_COMMIT:
+        pytest.skip("the side-by-side tests run on a build of the pinned tree")
+    core = _require_core(OTHER)
+    assert not core.builtin and core.commit == OTHER_COMMIT
+    return core
+
+
+def _reference(folder: Path, name: str) -> dict:
+    path = folder / name
+    if not path.is_file():
+        if os.environ.get("LLAMAPROMPT_REQUIRE_REFERENCE", "") not in ("", "0"):
+            pytest.fail(f"{path} is missing (LLAMAPROMPT_REQUIRE_REFERENCE is set)", pytrace=False)
+        pytest.skip(f"{path} is missing")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+# -- without another core -------------------------------------------------------------------
+
+
+def test_source_hash_is_the_builds():
+    # the digest CMake compiled into the module, recomputed in Python from the same files
+    if Path(_core.SOURCE_DIR).resolve() != REPO.resolve():
+        pytest.skip("the module was built from another checkout")
+    assert cores.source_hash(REPO) == _core.SOURCE_HASH
+    assert len(_core.SOURCE_HASH) == 64
+
+
+def test_builtin_core_is_found_by_name_and_commit():
+    here = cores.builtin_core()
+    assert here.builtin and here.commit == llamaprompt.LLAMA_CPP_COMMIT
+    for spec in (None, "", "builtin", here.commit, here.name):
+        assert cores.find_core(spec).builtin
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), llama_cpp=here.commit)
+    assert t._lib is _core  # in-process, no worker
+    assert t.llama_cpp_commit == llamaprompt.LLAMA_CPP_COMMIT
+
+
+def test_unknown_core_says_how_to_build_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMAPROMPT_CACHE_DIR", str(tmp_path))
+    with pytest.raises(llamaprompt.CoreError, match=r"llamaprompt cores add 0\.3\.31"):
+        llamaprompt.ChatTemplate("{{ 'x' }}", llama_cpp="0.3.31")
+    with pytest.raises(TypeError):
+        cores.find_core(3)  # type: ignore[arg-type]
+
+
+def test_core_from_other_sources_is_refused(tmp_path, monkeypatch):
+    # a core.json whose source hash is not this package's: listed as stale, never loaded
+    monkeypatch.setenv("LLAMAPROMPT_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "cores" / "e3a74b299"
+    folder.mkdir(parents=True)
+    (folder / "_core.so").write_bytes(b"not a module")
+    meta = {"name": "0.3.30", "commit": "e3a74b299", "source": "llama-cpp-python 0.3.30 sdist",
+            "path": str(folder / "_core.so"), "source_hash": "0" * 64}
+    (folder / "core.json").write_text(json.dumps(meta))
+    [core] = cores.installed_cores()
+    assert not core.usable
+    with pytest.raises(llamaprompt.CoreError, match="other llamaprompt sources"):
+        cores.find_core("0.3.30")
+    with pytest.raises(llamaprompt.CoreError, match="other llamaprompt sources"):
+        llamaprompt.ChatTemplate("{{ 'x' }}", llama_cpp="e3a74b2")
+    assert main(["cores", "list"]) == 0
+    assert cores.remove_core("0.3.30").commit == "e3a74b299"
+    assert not folder.exists()
+    with pytest.raises(llamaprompt.CoreError, match="built-in"):
+        cores.remove_core(llamaprompt.LLAMA_CPP_COMMIT)
+
+
+def test_cores_add_usage_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["cores", "add"])
+    assert info.value.code == 2
+    assert "give a VERSION or --llama-cpp-dir" in capsys.readouterr().err
+    with pytest.raises(ValueError):
+        cores.add_core("0.3.35", llama_cpp_dir="/tmp")
+
+
+def test_cores_add_unknown_version(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMAPROMPT_CACHE_DIR", str(tmp_path))
+    assert main(["cores", "add", "9.9.9", "--source", str(REPO), "--no-progress"]) == 2
+    assert "unknown llama-cpp-python version '9.9.9'" in capsys.readouterr().err
+
+
+def test_failed_build_names_the_upstream_change(tmp_path, monkeypatch):
+    """A tree where a call site llamaprompt renames has moved: the configure step stops, and
+    add_core's CoreError carries adapt_tree's message (file and text)."""
+    tree = Path(llamaprompt.tree_info()["tree_dir"])
+    if not (tree / "common" / "chat.cpp").is_file() or Path(_core.SOURCE_DIR).resolve() != REPO.resolve():
+        pytest.skip("needs the pinned llama.cpp tree and the sources the module was built from")
+    monkeypatch.setenv("LLAMAPROMPT_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "llama.cpp"
+    shutil.copytree(tree, copy, symlinks=True, ignore=shutil.ignore_patterns("models", ".git", "docs", "examples"))
+    shutil.copytree(tree / "models" / "templates", copy / "models" / "templates")
+    server = copy / "tools" / "server" / "server.cpp"
+    text = server.read_text()
+    # the n_parallel auto rule llamaprompt restates (adapt_tree's server_main_check)
+    assert "n_parallel" in text
+    server.write_text(text.replace("n_parallel", "n_parallel_renamed"))
+    with pytest.raises(llamaprompt.CoreError) as info:
+        cores.add_core(llama_cpp_dir=copy, source_dir=REPO, progress=False)
+    message = str(info.value)
+    assert "tools/server/server.cpp" in message and "llamaprompt: cannot build" in message
+    assert not (tmp_path / "cache" / "cores").exists() or not list((tmp_path / "cache" / "cores").iterdir())
+
+
+# -- with the 0.3.35 core -------------------------------------------------------------------
+
+
+def _template(ref: dict, server_args: list[str], name: str, llama_cpp: str | None) -> llamaprompt.ChatTemplate:
+    tok = ref["model_tokens"]
+    return llamaprompt.ChatTemplate.from_file(
+        template_path(name),
+        bos_token=tok["bos_token"],
+        eos_token=tok["eos_token"],
+        add_bos=tok["add_bos"],
+        add_eos=tok["add_eos"],
+        server_args=server_args,
+        media_marker=ref["media_marker"],
+        llama_cpp=llama_cpp,
+    )
+
+
+@pytest.mark.parametrize("fname", ["apply_template.json", "apply_template_server_args.json"])
+def test_worker_core_reproduces_its_own_reference(other_core, fname):
+    """ChatTemplate(llama_cpp="0.3.35") -- the other core in a worker process -- gives that
+    tree's llama-server recording: every prompt, every error (class, status, message), caps."""
+    ref = _reference(shared_reference_dir() / "versions" / OTHER, fname)
+    assert ref["llama_cpp_commit"] == OTHER_COMMIT
+    mismatches, n = [], 0
+    for variant in ref["variants"]:
+        for tname, expected in variant["templates"].items():
+            t = _template(ref, variant["server_args"], tname, OTHER)
+            assert t.llama_cpp_commit == OTHER_COMMIT
+            if t.caps != expected["caps"]:
+                mismatches.append(f"{tname}: caps {t.caps} != {expected['caps']}")
+            for rname, case in expected["cases"].items():
+                n += 1
+                try:
+                    prompt = t.apply_template(ref["requests"][rname])
+                    got = {"status": 200, "prompt": mask_dates(prompt, ref["rendered_on"])}
+                except llamaprompt.Error as e:
+                    cls = llamaprompt.RequestError if e.status == 400 else llamaprompt.TemplateError
+                    assert isinstance(e, cls)
+                    got = {"status": e.status, "error": e.to_json()["error"]}
+                if got != case:
+                    mismatches.append(f"{tname} / {rname}: got {got!r}, want {case!r}")
+    assert n > 1000
+    assert not mismatches, "\n".join(mismatches[:20])
+
+
+def _undated(case: dict, rendered_on: str) -> dict:
+    if case.get("status") != 200:
+        return case
+    prompt, day = case["prompt"], _dt.date.fromisoformat(rendered_on)
+    for fmt in DATE_FORMATS:
+        prompt = prompt.replace(day.strftime(fmt), "<DATE>")
+    return {**case, "prompt": prompt}
+
+
+def _recorded_differences(old: dict, new: dict) -> tuple[set, dict]:
+    """The cases and caps in which two recordings differ (dates aside): the expected diff."""
+    cases, caps = set(), {}
+    for vo, vn in zip(old["variants"], new["variants"]):
+        assert vo["server_args"] == vn["server_args"]
+        for tname, eo in vo["templates"].items():
+            en = vn["templates"].get(tname)
+            if en is None:
+                continue
+            changed = {k: [eo["caps"].get(k), en["caps"].get(k)] for k in sorted(set(eo["caps"]) | set(en["caps"]))
+                       if eo["caps"].get(k) != en["caps"].get(k)}
+            if changed:
+                caps[(tuple(vo["server_args"]), tname)] = changed
+            for rname, co in eo["cases"].items():
+                if _undated(co, old["rendered_on"]) != _undated(en["cases"][rname], new["rendered_on"]):
+                    cases.add((tuple(vo["server_args"]), tname, rname))
+    return cases, caps
+
+
+@pytest.mark.parametrize("fname", ["apply_template.json", "apply_template_server_args.json"])
+def test_diff_versions_reports_what_the_recordings_differ_in(other_core, fname):
+    old = _reference(shared_reference_dir() / "versions" / OTHER, fname)
+    new = _reference(shared_reference_dir(), fname)
+    assert old["requests"] == new["requests"]
+    want_cases, want_caps = _recorded_differences(old, new)
+    if fname == "apply_template.json":
+        # the figures the reference README states for the default configuration
+        assert len(want_cases) == 88 and len(want_caps) == 15
+    got_cases, got_caps = set(), {}
+    for variant in old["variants"]:
+        sargs = tuple(variant["server_args"])
+        names = list(variant["templates"])
+        tok = old["model_tokens"]
+        templates = file_templates(
+            [str(template_path(n)) for n in names], server_args=list(sargs), bos_token=tok["bos_token"],
+            eos_token=tok["eos_token"], add_bos=tok["add_bos"], add_eos=tok["add_eos"],
+            media_marker=old["media_marker"],
+        )
+        report = diff_versions(templates, from_core=OTHER, to_core=None, requests=old["requests"], progress=False)
+        assert report["from"]["commit"] == OTHER_COMMIT and report["to"]["commit"] == PIN_COMMIT
+        assert report["summary"]["templates"] == len(names)
+        assert report["summary"]["cases"] == len(names) * len(old["requests"])
+        for tname, entry in report["templates"].items():
+            assert "load" not in entry
+            if "caps" in entry:
+                got_caps[(sargs, tname)] = entry["caps"]
+            for rname in entry.get("cases", {}):
+                got_cases.add((sargs, tname, rname))
+    assert got_caps == want_caps
+    assert got_cases == want_cases
+
+
+def test_diff_versions_cli(other_core, tmp_path, capsys):
+    name = "Qwen-Qwen3-0.6B.jinja"
+    out = tmp_path / "diff.json"
+    # the media requests render differently between these trees (typed content)
+    status = main(["diff-versions", "--from", OTHER, "--to", PIN_COMMIT, "-t", str(template_path(name)),
+                   "--json", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    changed = report["summary"]["cases_changed"] + report["summary"]["caps_changed"]
+    assert status == (1 if changed else 0)
+    assert text.splitlines()[0] == f"llama.cpp {OTHER} ({OTHER_COMMIT}) -> {report['to']['name']} ({PIN_COMMIT})"
+    assert text.rstrip().endswith(f"caps changed for {report['summary']['caps_changed']}")
+    # the same core on both sides: nothing changes, exit 0
+    assert main(["diff-versions", "--from", OTHER, "--to", OTHER, "-t", str(template_path(name)),
+                 "--no-progress"]) == 0
+    assert "0 of 1 templates render differently on 0 of" in capsys.readouterr().out
+    # a core that is not installed: exit 2 with the message
+    assert main(["diff-versions", "--from", "0.0.1", "--to", OTHER, "--no-progress"]) == 2
+    assert "no llama.cpp core '0.0.1'" in capsys.readouterr().err
+
+
+def test_worker_errors_pickling_and_parse(other_core):
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), llama_cpp=OTHER)
+    with pytest.raises(llamaprompt.RequestError) as info:
+        t.apply_template({"messages": "not a list"})
+    assert info.value.status == 400 and info.value.message
+    with pytest.raises(llamaprompt.ServerArgsError):
+        llamaprompt.ChatTemplate("{{ 'x' }}", server_args=["--no-such-flag"], llama_cpp=OTHER)
+    with pytest.raises(llamaprompt.TemplateError):
+        llamaprompt.ChatTemplate("{% if %}", llama_cpp=OTHER)
+    with pytest.raises(ValueError, match="unknown caps keys"):
+        llamaprompt.ChatTemplate("{{ 'x' }}", caps={"no_such_cap": True}, llama_cpp=OTHER)
+    again = pickle.loads(pickle.dumps(t))
+    request = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert again.apply_template(request) == t.apply_template(request)
+    assert again.llama_cpp_commit == OTHER_COMMIT
+    params = t.apply(request)
+    assert params.parse("Hello there")["content"] == "Hello there"
+    assert t.describe()["llama_cpp_commit"] == OTHER_COMMIT
+    many = t.apply_template_many([request, {"messages": 1}], return_exceptions=True)
+    assert many[0] == t.apply_template(request) and isinstance(many[1], llamaprompt.RequestError)
+
+
+def test_worker_gguf_tokens(other_core):
+    ref = _reference(shared_reference_dir() / "versions" / OTHER, "gguf.json")
+    models = Path(llamaprompt.tree_info()["tree_dir"]) / "models"
+    checked = 0
+    for mname, entry in ref["models"].items():
+        path = models / f"ggml-vocab-{mname}.gguf"
+        if not path.is_file():
+            continue
+        t = llamaprompt.ChatTemplate.from_gguf(path, media_marker=ref["media_marker"], llama_cpp=OTHER)
+        assert t.caps == entry["caps"] and t.bos_token == entry["bos_token"]
+        for rname, case in entry["cases"].items():
+            for key in ("tokens_add_special_false", "tokens_add_special_true"):
+                if key in case:
+                    tokens = t.tokenize(case["prompt"], add_special=key.endswith("true"))
+                    assert tokens.tolist() == case[key], (mname, rname, key)
+                    checked += 1
+    assert checked
+
+
+def test_worker_crash_is_a_core_error(other_core):
+    from llamaprompt.remote import remote_core
+
+    t = llamaprompt.ChatTemplate("{{ 'x' }}", llama_cpp=OTHER)
+    remote = remote_core(other_core)
+    remote._proc.kill()
+    remote._proc.wait()
+    with pytest.raises(llamaprompt.CoreError, match="died|gone"):
+        t.apply_template({"messages": [{"role": "user", "content": "Hi"}]})
+    # a new template starts a new worker
+    t2 = llamaprompt.ChatTemplate("{{ 'y' }}", llama_cpp=OTHER)
+    assert t2.apply_template({"messages": [{"role": "user", "content": "Hi"}]}) == "y"
+
+
+def test_env_makes_another_core_the_in_process_one(other_core):
+    code = "import llamaprompt; print(llamaprompt.LLAMA_CPP_COMMIT, llamaprompt.cores.builtin_core().name)"
+    env = {**os.environ, "LLAMAPROMPT_CORE": OTHER}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [OTHER_COMMIT, OTHER]
+    env["LLAMAPROMPT_CORE"] = "no-such-core"
+    bad = subprocess.run([sys.executable, "-c", "import llamaprompt"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "LLAMAPROMPT_CORE=no-such-core" in bad.stderr
+
+
+def test_cores_list_shows_the_other_core(other_core, capsys):
+    assert main(["cores", "list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["builtin"] and rows[0]["commit"] == llamaprompt.LLAMA_CPP_COMMIT
+    mine = [r for r in rows if r["commit"] == OTHER_COMMIT]
+    assert mine and mine[0]["usable"] and mine[0]["size"] > 1_000_000 and mine[0]["date"] == "2026-08-16"
+    assert set(mine[0]["features"]) == set(llamaprompt.features)
+
+
+def test_fixtures_from_another_core(other_core, tmp_path):
+    """`fixtures --llama-cpp 0.3.35` writes that tree's prompts: checked against its recording."""
+    ref = _reference(shared_reference_dir() / "versions" / OTHER, "apply_template.json")
+    name = "Qwen-Qwen3-0.6B.jinja"
+    expected = ref["variants"][0]["templates"][name]
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps(ref["requests"]))
+    out = tmp_path / "fx.json"
+    tok = ref["model_tokens"]
+    assert main(["fixtures", "--llama-cpp", OTHER, "-t", str(template_path(name)), "--requests", str(requests),
+                 "--bos-token", tok["bos_token"], "--eos-token", tok["eos_token"], "--add-bos",
+                 "--no-progress", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["llama_cpp_commit"] == OTHER_COMMIT and doc["llama_cpp_source"] == "llama-cpp-python 0.3.35 sdist"
+    entry = doc["templates"][name]
+    assert entry["caps"] == expected["caps"]
+    for rname, case in expected["cases"].items():
+        got = dict(entry["cases"][rname])
+        if got["status"] == 200:
+            got["prompt"] = mask_dates(got["prompt"], ref["rendered_on"])
+        assert got == case, rname
+    # and `check --llama-cpp` re-renders it with the same core: everything matches
+    assert main(["check", str(out), "--llama-cpp", OTHER, "--no-progress"]) == 0
