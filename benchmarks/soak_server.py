@@ -1,7 +1,8 @@
 """Differential soak: llamaprompt against an unmodified llama-server built from the same tree.
 
     python benchmarks/soak_server.py [--requests 10000] [--seed 0] [--templates NAME ...]
-        [--flags-sets "" "--reasoning off" ...] [--out soak.json] [--server-binary PATH] [--jobs 2]
+        [--flags-sets '[[], ["--reasoning", "off"]]'] [--templates-per-request K] [--out soak.json]
+        [--server-binary PATH] [--jobs 2]
 
 What it does (not run by CI; docs/robustness.md has the figures of the last run):
 
@@ -72,7 +73,8 @@ BUILD_DIR = CACHE / "llama-server-build"
 SOAK_DIR = CACHE / "soak"
 VOCAB = TREE / "models" / "ggml-vocab-llama-spm.gguf"
 MEDIA_MARKER = "<__media__>"
-DEFAULT_FLAG_SETS = ["", "--reasoning off", "--no-prefill-assistant", "--reasoning-format none"]
+DEFAULT_FLAG_SETS = [[], ["--reasoning", "off"], ["--no-prefill-assistant"], ["--reasoning-format", "none"]]
+DEFAULT_FLAGS_JSON = json.dumps(DEFAULT_FLAG_SETS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -731,10 +733,12 @@ def run(args: argparse.Namespace) -> dict:
     if unknown:
         raise SystemExit(f"unknown templates: {unknown}")
     templates = [pinned.get(n) or Path(n) for n in names]
-    flag_sets = [shlex.split(f) for f in args.flags_sets]
+    flag_sets = args.flags_sets
 
     gen = RequestGen(args.seed)
     requests = [gen.make() for _ in range(args.requests)]
+    # each request goes to --templates-per-request consecutive shares (different templates)
+    work = requests * min(args.templates_per_request, len(templates))
     features = collections.Counter(t for _, tags in requests for t in set(tags))
     logs = Path(tempfile.mkdtemp(prefix="soak-logs-", dir=SOAK_DIR))
 
@@ -747,12 +751,12 @@ def run(args: argparse.Namespace) -> dict:
     crashes: list[dict] = []
     cursor = 0
     started = time.monotonic()
-    bar = tqdm(total=args.requests * len(flag_sets), unit="cmp", dynamic_ncols=True, disable=args.no_progress)
+    bar = tqdm(total=len(work) * len(flag_sets), unit="cmp", dynamic_ncols=True, disable=args.no_progress)
 
     for ti, tpath in enumerate(templates):
         name = tpath.name
-        quota = math.ceil((args.requests - cursor) / (len(templates) - ti))
-        chunk = requests[cursor : cursor + quota]
+        quota = math.ceil((len(work) - cursor) / (len(templates) - ti))
+        chunk = work[cursor : cursor + quota]
         stats = per_template[name] = collections.Counter(requests=len(chunk))
         any_loaded = False
         load[name] = {}
@@ -861,7 +865,8 @@ def run(args: argparse.Namespace) -> dict:
         "<flags>",
         "seed": args.seed,
         "requests": args.requests,
-        "requests_unassigned": args.requests - cursor,
+        "templates_per_request": min(args.templates_per_request, len(templates)),
+        "requests_unassigned": len(work) - cursor,
         "templates": [t.name for t in templates],
         "flag_sets": flag_sets,
         "compared": compared,
@@ -886,7 +891,8 @@ def summary(rep: dict) -> str:
     lines = [
         f"llama.cpp {rep['llama_cpp_commit']}, llamaprompt {rep['llamaprompt_version']}, {rep['date']}, "
         f"seed {rep['seed']}, {rep['elapsed_seconds']} s",
-        f"requests {rep['requests']} ({rep['requests_unassigned']} unassigned), templates {len(rep['templates'])}, "
+        f"requests {rep['requests']} x {rep['templates_per_request']} template(s) "
+        f"({rep['requests_unassigned']} unassigned), templates {len(rep['templates'])}, "
         f"flag sets {len(rep['flag_sets'])}: {[shlex.join(f) for f in rep['flag_sets']]}",
         f"compared {rep['compared']}: same prompt {rep['same_prompt']}, same error {rep['same_error']}, "
         f"differences {rep['differences_count']}",
@@ -906,6 +912,19 @@ def summary(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def flag_sets_arg(text: str) -> list[list[str]]:
+    """--flags-sets: a JSON list of lists of strings."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not (isinstance(value, list) and value and all(isinstance(f, list) for f in value)) or not all(
+        isinstance(a, str) for f in value for a in f
+    ):
+        raise argparse.ArgumentTypeError('expected a non-empty JSON list of lists of strings, e.g. [[], ["--jinja"]]')
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -920,10 +939,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--flags-sets",
-        nargs="+",
+        type=flag_sets_arg,
         default=DEFAULT_FLAG_SETS,
-        metavar="FLAGS",
-        help="llama-server flag sets, each one shell-quoted string ('' = defaults); default: %(default)s",
+        metavar="JSON",
+        help=f"llama-server flag sets, a JSON list of argument lists ([] = defaults); default: {DEFAULT_FLAGS_JSON}",
+    )
+    ap.add_argument(
+        "--templates-per-request",
+        type=int,
+        default=1,
+        metavar="K",
+        help="compare each request on K templates (each under every flag set; default 1)",
     )
     ap.add_argument("--out", type=Path, default=Path("soak_server.json"), help="JSON report (default %(default)s)")
     ap.add_argument("--server-binary", help="use this llama-server instead of building one")
@@ -932,8 +958,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=300, help="seconds per HTTP request (default 300)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = ap.parse_args(argv)
-    if args.requests < 1 or args.jobs < 1:
-        ap.error("--requests and --jobs must be >= 1")
+    if min(args.requests, args.jobs, args.templates_per_request) < 1:
+        ap.error("--requests, --templates-per-request and --jobs must be >= 1")
     rep = run(args)
     text = json.dumps(rep, indent=1, ensure_ascii=False) + "\n"
     args.out.write_text(text, encoding="utf-8", errors="surrogateescape")

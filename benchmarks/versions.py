@@ -153,6 +153,7 @@ def changes(versions: list[str]) -> list[dict]:
                 kinds.setdefault(c["change"], []).append(rname)
             per_template[name] = {"caps": entry.get("caps", {}), "load": entry.get("load"), "cases": kinds}
         out.append({"from": report["from"], "to": report["to"], "summary": report["summary"],
+                    "caps_keys": report["caps_keys"],
                     "summary_line": lv.summary_line(report), "templates": per_template,
                     "skipped": [v for v in versions[versions.index(a) + 1 : versions.index(b)]]})
     return out

@@ -68,6 +68,36 @@ def _non_negative_int(text: str) -> int:
     return n
 
 
+def _core_and_media_options(g: Any) -> None:
+    """--media / --no-media (media=) and --llama-cpp (llama_cpp=), for one or many templates."""
+    g.add_argument(
+        "--media",
+        metavar="KINDS",
+        default=None,
+        help="media parts requests may carry, as llama-server with a projector supporting them: a comma list of "
+        "image, audio, video (default: all three, as with a vision+audio --mmproj)",
+    )
+    g.add_argument(
+        "--no-media",
+        action="store_true",
+        help="as llama-server without --mmproj: media parts are refused ('image input is not supported ...')",
+    )
+    g.add_argument(
+        "--llama-cpp",
+        metavar="VERSION",
+        help="render with the core built for this llama.cpp (a llama-cpp-python version such as 0.3.33, or a "
+        "commit; see: llamaprompt cores list) instead of the built-in one",
+    )
+
+
+def _file_token_options(g: Any) -> None:
+    """BOS/EOS text and add_bos/add_eos for template files (several at once)."""
+    g.add_argument("--bos-token", default="", metavar="S", help="BOS text for template files (default: empty)")
+    g.add_argument("--eos-token", default="", metavar="S", help="EOS text for template files (default: empty)")
+    g.add_argument("--add-bos", action="store_true", help="template files: strip one leading BOS")
+    g.add_argument("--add-eos", action="store_true", help="template files: strip one trailing EOS")
+
+
 def _template_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("template (as llama-server loads it)")
     g.add_argument(
@@ -99,18 +129,6 @@ def _template_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--caps", metavar="JSON", help="force caps, e.g. '{\"supports_typed_content\": true}'")
     g.add_argument(
-        "--media",
-        metavar="KINDS",
-        default=None,
-        help="media parts requests may carry, as llama-server with a projector supporting them: a comma list of "
-        "image, audio, video (default: all three, as with a vision+audio --mmproj)",
-    )
-    g.add_argument(
-        "--no-media",
-        action="store_true",
-        help="as llama-server without --mmproj: media parts are refused ('image input is not supported ...')",
-    )
-    g.add_argument(
         "--handler",
         choices=("auto", "autoparser", "pure_content"),
         default="auto",
@@ -124,12 +142,7 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         help="one llama-server flag or value (repeatable; write --server-arg=--flag); "
         "flags after a bare -- are added too",
     )
-    g.add_argument(
-        "--llama-cpp",
-        metavar="VERSION",
-        help="render with the core built for this llama.cpp (a llama-cpp-python version such as 0.3.33, or a "
-        "commit; see: llamaprompt cores list) instead of the built-in one",
-    )
+    _core_and_media_options(g)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -268,23 +281,8 @@ def _parser() -> argparse.ArgumentParser:
             help="templates of the pinned llama.cpp tree shipped with llamaprompt: the NAMEs given "
             "(e.g. Qwen-Qwen3-0.6B.jinja), or all of them",
         )
-        g.add_argument("--bos-token", default="", metavar="S", help="BOS text for template files (default: empty)")
-        g.add_argument("--eos-token", default="", metavar="S", help="EOS text for template files (default: empty)")
-        g.add_argument("--add-bos", action="store_true", help="template files: strip one leading BOS")
-        g.add_argument("--add-eos", action="store_true", help="template files: strip one trailing EOS")
+        _file_token_options(g)
         g.add_argument("--media-marker", default=DEFAULT_MEDIA_MARKER, metavar="S")
-        g.add_argument(
-            "--media",
-            metavar="KINDS",
-            default=None,
-            help="media parts requests may carry, as llama-server with a projector supporting them: a comma list of "
-            "image, audio, video (default: all three, as with a vision+audio --mmproj)",
-        )
-        g.add_argument(
-            "--no-media",
-            action="store_true",
-            help="as llama-server without --mmproj: media parts are refused ('image input is not supported ...')",
-        )
         g.add_argument(
             "--server-arg",
             action="append",
@@ -292,12 +290,7 @@ def _parser() -> argparse.ArgumentParser:
             metavar="ARG",
             help="one llama-server flag (repeatable); flags after a bare -- are added too",
         )
-        g.add_argument(
-            "--llama-cpp",
-            metavar="VERSION",
-            help="render with the core built for this llama.cpp (a llama-cpp-python version such as 0.3.33, or a "
-            "commit; see: llamaprompt cores list) instead of the built-in one",
-        )
+        _core_and_media_options(g)
 
     p = sub.add_parser(
         "fixtures",
@@ -370,10 +363,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--templates", metavar="DIR", help="every *.jinja file in DIR")
     g.add_argument("--gguf", nargs="+", action="extend", default=[], metavar="FILE", help="GGUF model files")
     g.add_argument("--pinned", nargs="*", metavar="NAME", default=None, help="shipped templates by name (or all)")
-    g.add_argument("--bos-token", default="", metavar="S", help="BOS text for template files (default: empty)")
-    g.add_argument("--eos-token", default="", metavar="S", help="EOS text for template files (default: empty)")
-    g.add_argument("--add-bos", action="store_true", help="template files: strip one leading BOS")
-    g.add_argument("--add-eos", action="store_true", help="template files: strip one trailing EOS")
+    _file_token_options(g)
     g.add_argument(
         "--server-arg",
         "--server-args",

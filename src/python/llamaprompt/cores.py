@@ -8,7 +8,7 @@ llama.cpp checkout -- into the per-user cache::
 
     ~/.cache/llamaprompt/cores/<commit>/_core.<ext>      the module
     ~/.cache/llamaprompt/cores/<commit>/core.json        name, commit, source, date, features, ...
-    ~/.cache/llamaprompt/core-builds/<name>/             its build directory (reused by a rebuild)
+    ~/.cache/llamaprompt/core-builds/<name>-<source>/    its build directory (reused by a rebuild)
 
 (``$LLAMAPROMPT_CACHE_DIR`` replaces ``~/.cache/llamaprompt``.) ``ChatTemplate(...,
 llama_cpp="0.3.33")`` then renders with that core.
@@ -334,7 +334,9 @@ def add_core(
         key = "dir-" + hashlib.sha256(str(tree).encode()).hexdigest()[:12]
         env["LLAMAPROMPT_LLAMA_CPP_DIR"] = str(tree)
         env.pop("LLAMAPROMPT_LLAMA_CPP", None)
-    build_dir = cache_dir() / "core-builds" / key
+    # one build directory per tree and source checkout (CMake refuses a build directory
+    # configured from another source folder)
+    build_dir = cache_dir() / "core-builds" / f"{key}-{hashlib.sha256(str(src).encode()).hexdigest()[:8]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     env["SKBUILD_BUILD_DIR"] = str(build_dir)
     env.pop(CORE_ENV, None)

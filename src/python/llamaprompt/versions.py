@@ -10,7 +10,9 @@ the ``chat_template_caps`` that changed and, per request, how the outcome change
 - ``now_renders``: fails on ``from``, renders on ``to``.
 
 A template that loads on one side only is reported with ``load`` (the error of each side).
-Both sides render in the same run, so templates that print today's date agree on it.
+Both sides render in the same run, so templates that print today's date agree on it. A caps
+key that only one tree has (``supports_reasoning_effort`` appeared in 0.3.35's tree) is listed
+once under ``caps_keys`` (added / removed), not as a change of every template.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def diff_versions(
         progress: a progress bar on stderr (default: when stderr is a terminal).
 
     Returns a dict: ``from``/``to`` (name, commit, source, date of each core), ``requests``
-    (their names), ``templates`` (name -> ``{"caps": {key: [from, to]}, "load": ...?,
+    (their names), ``caps_keys`` (``{"added": [...], "removed": [...]}``: keys only one tree
+    reports), ``templates`` (name -> ``{"caps": {key: [from, to]}, "load": ...?,
     "cases": {request: change}}``, only templates where something changed), and ``summary``
     (``templates``, ``templates_changed``, ``cases``, ``cases_changed``, ``caps_changed``,
     ``by_change``: counts per change kind). Raises CoreError when a core is not installed.
@@ -96,6 +99,8 @@ def diff_versions(
     out: dict[str, Any] = {}
     counts = dict.fromkeys(CHANGE_KINDS, 0)
     n_cases = n_caps = 0
+    keys_a: set[str] = set()
+    keys_b: set[str] = set()
     items = list(templates.items())
     for name, build in _progress(items, len(items), "diff-versions", progress):
         ta, ea = _load(build, a_spec)
@@ -111,9 +116,11 @@ def diff_versions(
                 out[name] = entry
             continue
         caps_a, caps_b = ta.caps, tb.caps
+        keys_a.update(caps_a)
+        keys_b.update(caps_b)
         caps = {
             k: [caps_a.get(k), caps_b.get(k)]
-            for k in sorted(set(caps_a) | set(caps_b))
+            for k in sorted(set(caps_a) & set(caps_b))  # a key one tree lacks: caps_keys below
             if caps_a.get(k) != caps_b.get(k)
         }
         if caps:
@@ -136,6 +143,7 @@ def diff_versions(
         "to": _describe_core(b_core),
         "requests": list(reqs),
         "templates": out,
+        "caps_keys": {"added": sorted(keys_b - keys_a), "removed": sorted(keys_a - keys_b)},
         "summary": {
             "templates": len(items),
             "templates_changed": sum(1 for e in out.values() if "cases" in e or "load" in e),
@@ -150,10 +158,15 @@ def diff_versions(
 def summary_line(report: Mapping[str, Any]) -> str:
     """``"12 of 68 templates render differently on 31 of 1,540 cases; caps changed for 15"``."""
     s = report["summary"]
-    return (
+    line = (
         f"{s['templates_changed']:,} of {s['templates']:,} templates render differently on "
         f"{s['cases_changed']:,} of {s['cases']:,} cases; caps changed for {s['caps_changed']:,}"
     )
+    keys = report.get("caps_keys") or {}
+    for what in ("added", "removed"):
+        if keys.get(what):
+            line += f"; caps keys {what}: {', '.join(keys[what])}"
+    return line
 
 
 def _error_text(err: Mapping[str, Any] | None) -> str:
