@@ -41,6 +41,7 @@ import base64
 import collections
 import concurrent.futures
 import datetime
+import hashlib
 import http.client
 import io
 import json
@@ -735,6 +736,7 @@ def run(args: argparse.Namespace) -> dict:
     templates = [pinned.get(n) or Path(n) for n in names]
     flag_sets = args.flags_sets
 
+    build = provenance()
     gen = RequestGen(args.seed)
     requests = [gen.make() for _ in range(args.requests)]
     # each request goes to --templates-per-request consecutive shares (different templates)
@@ -859,6 +861,7 @@ def run(args: argparse.Namespace) -> dict:
         "date": datetime.date.today().isoformat(),
         "llama_cpp_commit": llamaprompt.LLAMA_CPP_COMMIT,
         "llamaprompt_version": getattr(llamaprompt, "__version__", None),
+        **build,
         "server_binary": str(binary),
         "server_command": "LLAMA_MEDIA_MARKER='<__media__>' llama-server -m <tiny llama-spm model> --jinja "
         "--chat-template-file <template> -c 256 -np 1 --no-warmup --host 127.0.0.1 --port <port> "
@@ -887,10 +890,32 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def provenance() -> dict:
+    """Which llamaprompt build ran: the extension module's sha256 and mtime, the repository's HEAD."""
+    core = Path(llamaprompt._core.__file__)
+    info: dict = {
+        "llamaprompt_core": str(core),
+        "llamaprompt_core_sha256": hashlib.sha256(core.read_bytes()).hexdigest(),
+        "llamaprompt_core_mtime": datetime.datetime.fromtimestamp(
+            core.stat().st_mtime, datetime.timezone.utc
+        ).isoformat(timespec="seconds"),
+    }
+    try:
+        git = ["git", "-C", str(REPO)]
+        info["repo_commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        info["repo_dirty"] = bool(dirty.stdout.strip())
+    except OSError:
+        pass
+    return info
+
+
 def summary(rep: dict) -> str:
     lines = [
         f"llama.cpp {rep['llama_cpp_commit']}, llamaprompt {rep['llamaprompt_version']}, {rep['date']}, "
-        f"seed {rep['seed']}, {rep['elapsed_seconds']} s",
+        f"seed {rep['seed']}, {rep['elapsed_seconds']} s; repository {rep.get('repo_commit', '?')[:9]}"
+        f"{' (dirty)' if rep.get('repo_dirty') else ''}, core sha256 {rep['llamaprompt_core_sha256'][:12]} "
+        f"({rep['llamaprompt_core_mtime']})",
         f"requests {rep['requests']} x {rep['templates_per_request']} template(s) "
         f"({rep['requests_unassigned']} unassigned), templates {len(rep['templates'])}, "
         f"flag sets {len(rep['flag_sets'])}: {[shlex.join(f) for f in rep['flag_sets']]}",

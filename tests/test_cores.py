@@ -7,6 +7,7 @@ LLAMAPROMPT_REQUIRE_CORES lists it (CI builds it first)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -262,7 +263,7 @@ def test_diff_versions_cli(other_core, tmp_path, capsys):
     changed = report["summary"]["cases_changed"] + report["summary"]["caps_changed"]
     assert status == (1 if changed else 0)
     assert text.splitlines()[0] == f"llama.cpp {OTHER} ({OTHER_COMMIT}) -> {report['to']['name']} ({PIN_COMMIT})"
-    assert text.rstrip().endswith(f"caps changed for {report['summary']['caps_changed']}")
+    assert f"caps changed for {report['summary']['caps_changed']}" in text.splitlines()[-1]
     # the same core on both sides: nothing changes, exit 0
     assert main(["diff-versions", "--from", OTHER, "--to", OTHER, "-t", str(template_path(name)),
                  "--no-progress"]) == 0
@@ -369,3 +370,54 @@ def test_fixtures_from_another_core(other_core, tmp_path):
         assert got == case, rname
     # and `check --llama-cpp` re-renders it with the same core: everything matches
     assert main(["check", str(out), "--llama-cpp", OTHER, "--no-progress"]) == 0
+
+
+def test_diff_versions_does_not_hide_what_it_could_not_compare(tmp_path, capsys):
+    """A template that loads on neither side, or a flag both refuse, is an error (exit 2) with the
+    message, not "nothing changed"; an empty --templates folder is a usage error. Runs with the
+    built-in core on both sides (no other core needed)."""
+    here = cores.builtin_core().name
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for x in %}")
+    good = str(template_path("Qwen-Qwen3-0.6B.jinja"))
+    assert main(["diff-versions", "--from", here, "--to", here, "-t", str(bad), "--no-progress"]) == 2
+    out = capsys.readouterr()
+    assert "bad.jinja: fails to load on both" in out.out and "load on neither" in out.err
+    assert main(["diff-versions", "--from", here, "--to", here, "-t", good, "--no-progress", "--",
+                 "--bogus-flag"]) == 2
+    assert "fails to load on both" in capsys.readouterr().out
+    assert main(["diff-versions", "--from", here, "--to", here, "-t", good, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "both sides are the same core" in text and "0 of 1 templates render differently" in text
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "missing", tmp_path / "empty"):
+        with pytest.raises(SystemExit) as info:
+            main(["diff-versions", "--from", here, "--to", here, "--templates", str(folder)])
+        assert info.value.code == 2
+    with pytest.raises(llamaprompt.CoreError, match="built-in core"):
+        cores.add_core(here)
+
+
+def test_installed_core_is_not_rebuilt(other_core):
+    # a usable core for that version is returned at once (force=True would rebuild it)
+    assert cores.add_core(OTHER, progress=False) == other_core
+
+
+def test_stuck_worker_times_out(other_core, monkeypatch):
+    import signal
+
+    from llamaprompt import remote
+
+    t = llamaprompt.ChatTemplate("{{ 'x' }}", llama_cpp=OTHER)
+    worker = remote.remote_core(other_core)
+    monkeypatch.setattr(remote, "CALL_TIMEOUT", 1.0)
+    worker._proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(llamaprompt.CoreError, match="did not answer within 1 s"):
+            t.apply_template({"messages": [{"role": "user", "content": "Hi"}]})
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            worker._proc.send_signal(signal.SIGCONT)
+    worker._proc.wait(10)  # stopped by the timeout
+    assert llamaprompt.ChatTemplate("{{ 'y' }}", llama_cpp=OTHER).apply_template(
+        {"messages": [{"role": "user", "content": "Hi"}]}) == "y"

@@ -39,7 +39,7 @@ def test_default_is_a_vision_audio_projector(requests):
         assert "<__media__>" in t.apply_template(requests[name])
 
 
-@pytest.mark.parametrize("media", [False, (), ""])
+@pytest.mark.parametrize("media", [False, ()])
 def test_text_only_server_refuses_every_media_part(requests, media):
     t = _qwen(media=media)
     assert t.media == ()
@@ -74,6 +74,9 @@ def test_bad_media_names():
         _qwen(media=["pictures"])
     with pytest.raises(TypeError):
         _qwen(media=[1])
+    for bad in (None, 1, b"image"):
+        with pytest.raises(TypeError, match="media must be True, False or media names"):
+            _qwen(media=bad)
 
 
 def test_cli_no_media(tmp_path, capsys, requests):

@@ -342,6 +342,7 @@ def _parser() -> argparse.ArgumentParser:
         "--source", metavar="DIR", help="llamaprompt's sources (default: where the package was built from)"
     )
     c.add_argument("-j", "--jobs", type=_positive, metavar="N", help="parallel compile jobs")
+    c.add_argument("--force", action="store_true", help="rebuild even when a usable core is installed")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c = csub.add_parser("list", help="the built-in core and the installed ones: commit, date, features, size")
     c.add_argument("--json", action="store_true", help="print JSON")
@@ -701,6 +702,7 @@ def _cores(args: argparse.Namespace) -> int:
             source_dir=args.source,
             jobs=args.jobs,
             progress=not args.no_progress,
+            force=args.force,
         )
         print(f"llamaprompt: installed the llama.cpp {core.label()} core ({core.source}) in {core.path}")
         return 0
@@ -731,10 +733,15 @@ def _diff_versions(args: argparse.Namespace, server_args: list[str]) -> int:
 
     paths = [str(p) for p in args.template]
     if args.templates:
-        paths += [str(p) for p in sorted(Path(args.templates).glob("*.jinja"))]
+        if not Path(args.templates).is_dir():
+            raise UsageError(f"--templates {args.templates}: not a directory")
+        found = [str(p) for p in sorted(Path(args.templates).glob("*.jinja"))]
+        if not found:
+            raise UsageError(f"--templates {args.templates}: no *.jinja files")
+        paths += found
     if args.pinned is not None:
         paths += [str(pinned_template(n)) for n in args.pinned] if args.pinned else [str(p) for p in pinned_templates()]
-    if not paths and not args.gguf:
+    if not paths and not args.gguf and not args.templates:
         paths = [str(p) for p in pinned_templates()]
     sargs = [*args.server_arg, *server_args]
     templates = versions.file_templates(
@@ -763,6 +770,14 @@ def _diff_versions(args: argparse.Namespace, server_args: list[str]) -> int:
         sys.stdout.write(versions.format_diff(report))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    if report["summary"]["templates_unloadable"]:
+        # a template neither tree loads (a bad file, a rejected flag) was not compared: an error
+        print(
+            f"llamaprompt: {report['summary']['templates_unloadable']} template(s) load on neither llama.cpp "
+            "(see 'fails to load on both' above); they were not compared",
+            file=sys.stderr,
+        )
+        return 2
     return 1 if report["summary"]["cases_changed"] or report["summary"]["caps_changed"] else 0
 
 

@@ -218,9 +218,13 @@ def find_core(spec: str | None) -> Core:
                 )
             return core
     have = ", ".join([here.label() + " (built-in)"] + [c.label() for c in cores]) or "none"
-    raise CoreError(
-        f"no llama.cpp core {spec!r} is installed; build it with `llamaprompt cores add {spec}` (installed: {have})"
+    hint = (
+        f"build it with `llamaprompt cores add {spec}`"
+        if re.fullmatch(r"\d+\.\d+\.\d+", spec)
+        else "name a core by llama-cpp-python version (e.g. 0.3.35) or llama.cpp commit; build one with "
+        "`llamaprompt cores add VERSION`"
     )
+    raise CoreError(f"no llama.cpp core {spec!r} is installed; {hint} (installed: {have})")
 
 
 # -- building -------------------------------------------------------------------------------
@@ -287,6 +291,7 @@ def add_core(
     source_dir: str | os.PathLike[str] | None = None,
     jobs: int | None = None,
     progress: bool | Callable[[int, int], None] = True,
+    force: bool = False,
 ) -> Core:
     """Build llamaprompt's core against another llama.cpp tree and install it in :func:`cores_dir`.
 
@@ -299,6 +304,7 @@ def add_core(
         jobs: parallel compile jobs (``CMAKE_BUILD_PARALLEL_LEVEL``; default: the build's).
         progress: True draws a progress bar on stderr (tqdm), False is silent, or a callable
             ``(done, total)`` receives the compile steps.
+        force: build even when a usable core for that version is installed (else it is returned).
 
     The build is ``pip wheel`` of those sources with ``LLAMAPROMPT_LLAMA_CPP`` (or
     ``_DIR``) set, in a build directory kept under ``cache_dir()/core-builds`` so that a rebuild
@@ -311,6 +317,13 @@ def add_core(
     """
     if (version is None) == (llama_cpp_dir is None):
         raise ValueError("give a llama-cpp-python version or a llama.cpp directory (one of them)")
+    if version is not None and not force:
+        here = builtin_core()
+        if here.name == version:
+            raise CoreError(f"{version} ({here.commit}) is this package's built-in core: there is nothing to build")
+        for core in installed_cores():
+            if core.name == version and core.usable:
+                return core  # already built from these sources (force=True rebuilds)
     src = _source_dir(source_dir)
     want = _installed_hash()
     have = source_hash(src)

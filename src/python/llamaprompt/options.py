@@ -59,12 +59,15 @@ def call_timeout(timeout: float | None) -> float:
 
 
 def media_kinds(media: bool | str | Iterable[str] | None) -> tuple[str, ...]:
-    """``media=`` as a tuple in MEDIA_KINDS order: True -> all, False/None -> none, else the
-    names (a comma-separated str or an iterable; ``"vision"`` is ``"image"``)."""
+    """``media=`` as a tuple in MEDIA_KINDS order: True -> all, False -> none, else the names
+    (a comma-separated str or an iterable; ``"vision"`` is ``"image"``). Raises TypeError for
+    anything else (None included), ValueError for an unknown name."""
     if media is True:
         return MEDIA_KINDS
-    if media is False or media is None:
+    if media is False:
         return ()
+    if media is None or isinstance(media, (bytes, int, float)):
+        raise TypeError(f"media must be True, False or media names (e.g. ('image',)), not {media!r}")
     names = media.split(",") if isinstance(media, str) else list(media)
     out = set()
     for n in names:

@@ -33,6 +33,11 @@ from .sandbox import _PipeConnection
 
 __all__ = ["RemoteCore", "remote_core"]
 
+#: Seconds a call may wait for the worker's answer before the worker is stopped
+#: (``$LLAMAPROMPT_CORE_TIMEOUT``). The core's own budgets (``timeout=``, 10 s by default)
+#: answer long before; this catches a worker that is stopped or stuck.
+CALL_TIMEOUT = float(os.environ.get("LLAMAPROMPT_CORE_TIMEOUT", "300"))
+
 _CONSTANTS = ("LLAMA_CPP_COMMIT", "LLAMA_CPP_SOURCE", "LLAMA_CPP_DIR", "TREE_INFO_JSON", "CAPS_KEYS", "SOURCE_HASH")
 
 
@@ -157,7 +162,7 @@ class RemoteCore:
             close_fds=True,
         )
         self._conn = _PipeConnection(self._proc.stdout, self._proc.stdin)
-        kind, info = self._receive()
+        kind, info = self._receive(CALL_TIMEOUT)
         if kind != "ok":
             raise info
         self._classes = set(info["classes"])
@@ -177,7 +182,13 @@ class RemoteCore:
             return lambda *args, **kwargs: self._request("new", None, name, args, kwargs, kind=name)
         return lambda *args, **kwargs: self._request("call", None, name, args, kwargs)
 
-    def _receive(self) -> tuple[str, Any]:
+    def _receive(self, timeout: float | None = None) -> tuple[str, Any]:
+        if timeout is not None and not self._conn.poll(timeout):
+            self.close()
+            raise CoreError(
+                f"the worker process of the llama.cpp {self.core.label()} core did not answer within {timeout:g} s "
+                "(LLAMAPROMPT_CORE_TIMEOUT); it was stopped: create the template again"
+            )
         try:
             return self._conn.recv()
         except (EOFError, OSError, pickle.UnpicklingError):
@@ -185,7 +196,10 @@ class RemoteCore:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self._proc.wait(5)
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            raise CoreError(f"the worker process of the llama.cpp {self.core.label()} core died ({how})") from None
+            raise CoreError(
+                f"the worker process of the llama.cpp {self.core.label()} core died ({how}); create the template "
+                "again (a new worker starts)"
+            ) from None
 
     def _request(self, op: str, target: int | None, name: str, args: tuple, kwargs: dict, kind: str = "") -> Any:
         if os.getpid() != self._pid:
@@ -196,8 +210,11 @@ class RemoteCore:
             try:
                 self._conn.send((op, target, name, wire, kwargs, dropped))
             except (OSError, ValueError):
-                raise CoreError(f"the worker process of the llama.cpp {self.core.label()} core is gone") from None
-            status, value = self._receive()
+                raise CoreError(
+                    f"the worker process of the llama.cpp {self.core.label()} core is gone; create the template "
+                    "again (a new worker starts)"
+                ) from None
+            status, value = self._receive(CALL_TIMEOUT)
         if status == "error":
             raise value
         if status == "obj":
@@ -208,6 +225,10 @@ class RemoteCore:
         """Stop the worker (templates of this core stop working)."""
         with contextlib.suppress(Exception):
             self._conn.close()
+        with contextlib.suppress(Exception):
+            if self._proc.poll() is None:
+                self._proc.send_signal(signal.SIGCONT)  # a stopped worker cannot exit otherwise
+                self._proc.terminate()
         with contextlib.suppress(Exception):
             self._proc.wait(5)
         with contextlib.suppress(Exception):

@@ -687,10 +687,11 @@ class ChatTemplate:
         return (_restore, (self._input_source, self._gguf_path, self._tokens, self._opts))
 
     def __repr__(self) -> str:
+        core = f", llama_cpp={self._opts.llama_cpp!r}" if self._lib is not _core else ""
         if self._gguf_path is not None:
-            return f"ChatTemplate.from_gguf({self._gguf_path!r}, server_args={list(self.server_args)!r})"
+            return f"ChatTemplate.from_gguf({self._gguf_path!r}, server_args={list(self.server_args)!r}{core})"
         head = self.source[:40]
-        return f"ChatTemplate({head!r}..., server_args={list(self.server_args)!r})"
+        return f"ChatTemplate({head!r}..., server_args={list(self.server_args)!r}{core})"
 
 
 def _restore(

@@ -90,6 +90,8 @@ def diff_versions(
     reports), ``templates`` (name -> ``{"caps": {key: [from, to]}, "load": ...?,
     "cases": {request: change}}``, only templates where something changed), and ``summary``
     (``templates``, ``templates_changed``, ``cases``, ``cases_changed``, ``caps_changed``,
+    ``cases_failing_both``: cases that fail identically on both, ``templates_unloadable``:
+    templates neither core loads -- listed with the error under ``unloadable`` --,
     ``by_change``: counts per change kind). Raises CoreError when a core is not installed.
     """
     a_core, b_core = find_core(from_core), find_core(to_core)
@@ -98,7 +100,8 @@ def diff_versions(
     reqs = dict(default_requests() if requests is None else requests)
     out: dict[str, Any] = {}
     counts = dict.fromkeys(CHANGE_KINDS, 0)
-    n_cases = n_caps = 0
+    n_cases = n_caps = n_failing = 0
+    unloadable: dict[str, Any] = {}
     keys_a: set[str] = set()
     keys_b: set[str] = set()
     items = list(templates.items())
@@ -108,6 +111,9 @@ def diff_versions(
         entry: dict[str, Any] = {}
         if ta is None or tb is None:
             n_cases += len(reqs)
+            if ea == eb:  # the same failure on both sides: not a change, but nothing was compared
+                unloadable[name] = ea
+                continue
             if ea != eb:
                 entry["load"] = {"from": ea, "to": eb}
                 counts["now_fails" if ta is not None else "now_renders" if tb is not None else "error_changed"] += len(
@@ -129,7 +135,10 @@ def diff_versions(
         cases = {}
         for rname, body in reqs.items():
             n_cases += 1
-            change = _compare(_case(ta, body), _case(tb, body), context)
+            ca, cb = _case(ta, body), _case(tb, body)
+            change = _compare(ca, cb, context)
+            if change is None and ca["status"] != 200:
+                n_failing += 1
             if change is not None:
                 cases[rname] = change
                 counts[change["change"]] += 1
@@ -143,6 +152,7 @@ def diff_versions(
         "to": _describe_core(b_core),
         "requests": list(reqs),
         "templates": out,
+        "unloadable": unloadable,
         "caps_keys": {"added": sorted(keys_b - keys_a), "removed": sorted(keys_a - keys_b)},
         "summary": {
             "templates": len(items),
@@ -150,6 +160,8 @@ def diff_versions(
             "cases": n_cases,
             "cases_changed": changed_cases,
             "caps_changed": n_caps,
+            "cases_failing_both": n_failing,
+            "templates_unloadable": len(unloadable),
             "by_change": counts,
         },
     }
@@ -162,6 +174,10 @@ def summary_line(report: Mapping[str, Any]) -> str:
         f"{s['templates_changed']:,} of {s['templates']:,} templates render differently on "
         f"{s['cases_changed']:,} of {s['cases']:,} cases; caps changed for {s['caps_changed']:,}"
     )
+    if s.get("cases_failing_both"):
+        line += f"; {s['cases_failing_both']:,} cases fail the same way on both"
+    if s.get("templates_unloadable"):
+        line += f"; {s['templates_unloadable']:,} templates load on neither"
     keys = report.get("caps_keys") or {}
     for what in ("added", "removed"):
         if keys.get(what):
@@ -180,6 +196,10 @@ def format_diff(report: Mapping[str, Any]) -> str:
     """The report as text: a header, per template its caps and case changes, the summary line."""
     a, b = report["from"], report["to"]
     lines = [f"llama.cpp {a['name']} ({a['commit']}) -> {b['name']} ({b['commit']})", ""]
+    if a["commit"] == b["commit"]:
+        lines[-1:] = ["(both sides are the same core: nothing can change)", ""]
+    for name, err in report.get("unloadable", {}).items():
+        lines.append(f"{name}: fails to load on both: {_error_text(err)}")
     for name, entry in report["templates"].items():
         lines.append(name)
         if "load" in entry:
