@@ -28,10 +28,10 @@ What it does (not run by CI; docs/robustness.md has the figures of the last run)
    ``TemplateError``.
 
 Requests are split over the templates in order (a template that no flag set can load passes
-its share on to the next one), and each request is compared under every flag set of its
-template. Every difference (template, flags, request JSON text, both outcomes, first
-differing offset) goes to ``--out``; a summary goes to stdout. Exit status 1 when there is
-a difference.
+its share on to the next one; ``--templates-per-request K`` gives each request to K templates),
+and each request is compared under every flag set of its template. Every difference
+(template, flags, request JSON text, both outcomes, first differing offset) goes to ``--out``;
+a summary goes to stdout. Exit status 1 when there is a difference.
 """
 
 from __future__ import annotations
