@@ -28,6 +28,7 @@ sources (:func:`source_hash`): after upgrading llamaprompt, ``cores add`` rebuil
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -93,6 +94,7 @@ def source_hash(root: str | os.PathLike[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@functools.cache
 def _installed_hash() -> str | None:
     """The source hash of the package's built-in core, read without loading it."""
     with contextlib.suppress(OSError):
@@ -152,8 +154,10 @@ class Core:
         return f"{self.name} ({self.commit})" if self.name != self.commit else self.commit
 
 
+@functools.cache
 def builtin_core() -> Core:
-    """The core this process runs in-process (the package's, or the one ``LLAMAPROMPT_CORE`` chose)."""
+    """The core this process runs in-process (the package's, or the one ``LLAMAPROMPT_CORE`` chose);
+    fixed for the life of the process, so computed once."""
     from . import _core
 
     info = json.loads(_core.TREE_INFO_JSON)
