@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import llamaprompt
-from conftest import template_path, vocab_gguf
+from conftest import load_reference, mask_dates, template_path, vocab_gguf
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -188,6 +188,10 @@ def test_render_dataset_cli_round_trip(tmp_path, kind):
         )
         assert proc.returncode == 0, proc.stderr
         outs.append(pq.read_table(dst))
+        # the summary names the failed rows and shows the first errors with llama.cpp's message
+        n_bad = sum(1 for _, e in sequential(t, rows) if e) + (kind == "jsonl")
+        assert f"rendered {len(rows) + (kind == 'jsonl')} rows into {dst}, {n_bad} failed" in proc.stderr
+        assert "  row 0: " in proc.stderr and f"... and {n_bad - 5} more" in proc.stderr
     assert outs[0].equals(outs[1])
     want = sequential(t, rows)
     got = as_pairs(outs[0])
@@ -241,3 +245,117 @@ def test_typed_rows_keep_exact_json_and_bad_rows_stay_rows():
     assert again.column("prompt").to_pylist()[:2] == prompts[:2]
     # re-rendering an output table replaces its prompt/error columns
     assert data.render_table(t, out).column_names.count("prompt") == 1
+
+
+RAY_SCRIPT = """
+import json, sys
+import ray, pyarrow.parquet as pq
+import llamaprompt
+from llamaprompt.ray import render_dataset
+src, dst, template = sys.argv[1:4]
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+t = llamaprompt.ChatTemplate.from_file(template)
+render_dataset(ray.data.read_parquet(src), t, workers=2, batch_size=128).write_parquet(dst)
+print("finished")
+"""
+
+
+def test_ray_reads_parquet_on_a_two_cpu_cluster(tmp_path):
+    """A read task, two render actors and a write task on 2 CPUs must all get scheduled (the
+    actors once took every CPU and the read task waited forever). In a subprocess, so that a
+    deadlock fails the test at the time bound instead of hanging the suite."""
+    pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    name = TEMPLATES[0]
+    rows = conversations(2000, seed=11, bad_every=97)
+    src = tmp_path / "in.parquet"
+    pq.write_table(data.as_arrow_table(rows), src)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", RAY_SCRIPT, str(src), str(tmp_path / "out"), str(template_path(name))],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"Ray Data did not finish within 300 s (deadlock?): {(e.stderr or b'')[-2000:]!r}")
+    assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-3000:]
+    assert "deprecated" not in proc.stderr.lower(), proc.stderr[-3000:]
+    table = pq.read_table(tmp_path / "out")
+    t = llamaprompt.ChatTemplate.from_file(template_path(name))
+    got = sorted(zip(table.column("messages").to_pylist(), as_pairs(table)), key=str)
+    want = sorted(zip(data.as_arrow_table(rows).column("messages").to_pylist(), sequential(t, rows)), key=str)
+    assert table.num_rows == len(rows) and got == want
+
+
+def test_actor_cpus_leave_room_for_reading():
+    from llamaprompt.ray import actor_cpus
+
+    for cpus in (1, 2, 3, 8, 64):
+        for workers in (1, 2, 4, 16):
+            each = actor_cpus(workers, cpus)
+            assert 0 < each <= 1
+            assert workers * each <= max(cpus - 1, workers * 0.05) + 1e-9
+    assert actor_cpus(2, 8) == 1.0
+    with pytest.raises(ValueError):
+        actor_cpus(0, 2)
+
+
+def test_training_rows_end_with_a_closed_turn():
+    """Fine-tuning text: no generation prompt, a final assistant turn closed -- llama-server's
+    rendering under --no-prefill-assistant (the recorded no_generation_prompt case), where the
+    default serves that turn open as a prefill."""
+    ref = load_reference("apply_template_server_args.json")
+    closed = next(v for v in ref["variants"] if v["server_args"] == ["--no-prefill-assistant"])
+    default = load_reference("apply_template.json")["variants"][0]
+    tok = ref["model_tokens"]
+    messages = ref["requests"]["no_generation_prompt"]["messages"]
+    assert messages[-1]["role"] == "assistant"
+    checked = 0
+    for name in TEMPLATES:
+        want = closed["templates"][name]["cases"]["no_generation_prompt"]
+        served = default["templates"][name]["cases"]["no_generation_prompt"]
+        t = llamaprompt.ChatTemplate.from_file(
+            template_path(name), bos_token=tok["bos_token"], eos_token=tok["eos_token"], add_bos=tok["add_bos"]
+        )
+        rows = [{"messages": messages}, {"messages": [{"role": "user", "content": 5}]}]
+        out = data.render_table(t, rows, training=True)
+        day = ref["rendered_on"]
+        assert mask_dates(out.column("prompt").to_pylist()[0], day) == want["prompt"] != served["prompt"]
+        assert out.column("error").to_pylist()[1] == "Expected 'content' to be a string or an array"
+        assert mask_dates(data.render_table(t, rows).column("prompt").to_pylist()[0], day) == served["prompt"]
+        checked += 1
+    assert checked == len(TEMPLATES)
+
+
+def test_training_tokens_keep_bos_and_the_end_of_turn():
+    g = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-phi-3.gguf"))
+    assert g.add_bos and g.bos_token_id is not None
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}]
+    out = data.render_table(g, rows, training=True, tokens=True)
+    prompt, toks = out.column("prompt").to_pylist()[0], out.column("tokens").to_pylist()[0]
+    assert not prompt.startswith(g.bos_token) and toks[0] == g.bos_token_id  # stripped text, BOS token back
+    end = g.tokenize("<|end|>").tolist()
+    assert len(end) == 1 and prompt.endswith("Hello!<|end|>\n") and end[0] in toks[-3:]
+
+
+def test_render_dataset_ray_cli_quiet_and_equal(tmp_path):
+    """render-dataset --ray on Parquet (read by Ray's reader), --no-progress: no Ray Data
+    progress lines, the rows as sequential apply_template renders them, the failures counted."""
+    pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    t = llamaprompt.ChatTemplate.from_file(template_path(TEMPLATES[2]))
+    rows = conversations(300, seed=13, bad_every=50)
+    src, dst = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    pq.write_table(data.as_arrow_table(rows), src)
+    cmd = [sys.executable, "-m", "llamaprompt.cli", "render-dataset", str(src), "-o", str(dst)]
+    cmd += ["-t", str(template_path(TEMPLATES[2])), "--ray", "--workers", "2", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "logging_progress" not in proc.stderr and "Running Dataset" not in proc.stderr, proc.stderr[-3000:]
+    want = sequential(t, rows)
+    assert f"{sum(1 for _, e in want if e)} failed" in proc.stderr
+    table = pq.read_table(dst)
+    got = sorted(zip(table.column("messages").to_pylist(), as_pairs(table)), key=str)
+    expected = sorted(zip(data.as_arrow_table(rows).column("messages").to_pylist(), want), key=str)
+    assert got == expected

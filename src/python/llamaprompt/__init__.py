@@ -22,12 +22,13 @@ _cores.load_from_env()  # LLAMAPROMPT_CORE: another core as the in-process one (
 from ._version import __version__
 from .errors import CoreError, Error, FeatureError, GGUFError, RequestError, ServerArgsError, TemplateError
 from .gguf import gguf_metadata
+from .hf import apply_chat_template
 from .hooks import register_hook, registered_hooks, unregister_hook
 from .legacy import builtin_template_names, llama_chat_apply_template
 from .options import DEFAULT_MEDIA_MARKER
 from .params import ChatParams
 from .pinned import pinned_template, pinned_templates
-from .template import ChatTemplate
+from .template import ChatTemplate, PromptTokens
 from .tree import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, features, tree_info
 
 # llama.cpp's log lines reach logging.getLogger("llamaprompt.llama_cpp"); silent unless the
@@ -44,6 +45,8 @@ __all__ = [
     "__version__",
     "ChatTemplate",
     "ChatParams",
+    "PromptTokens",
+    "apply_chat_template",
     "DEFAULT_MEDIA_MARKER",
     "Error",
     "RequestError",

@@ -241,7 +241,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--batch-rows", type=int, default=2048, metavar="N", help="rows per batch (default 2048)")
     p.add_argument("--ray", action="store_true", help="run the batches on Ray Data (pip install 'llamaprompt[ray]')")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--training",
+        action="store_true",
+        help="fine-tuning text: no generation prompt, and a final assistant turn closed as llama-server "
+        "--no-prefill-assistant renders it (default: rows as llama-server serves them, a final assistant "
+        "message being an open prefill)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (nor Ray Data's progress output)")
 
     p = sub.add_parser("inspect", help="print a GGUF file's metadata (llama.cpp's gguf reader)")
     p.add_argument("file", metavar="FILE", help="GGUF file")
@@ -338,9 +345,7 @@ def _parser() -> argparse.ArgumentParser:
     c = csub.add_parser("add", help="build a core for a llama-cpp-python version's tree, or a llama.cpp folder")
     c.add_argument("version", nargs="?", metavar="VERSION", help="llama-cpp-python version, e.g. 0.3.33")
     c.add_argument("--llama-cpp-dir", metavar="DIR", help="a llama.cpp source tree instead of a version")
-    c.add_argument(
-        "--source", metavar="DIR", help="llamaprompt's sources (default: where the package was built from)"
-    )
+    c.add_argument("--source", metavar="DIR", help="llamaprompt's sources (default: where the package was built from)")
     c.add_argument("-j", "--jobs", type=_positive, metavar="N", help="parallel compile jobs")
     c.add_argument("--force", action="store_true", help="rebuild even when a usable core is installed")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -646,7 +651,7 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
         elif args.command == "render-dataset":
             from .data import render_file
 
-            n = render_file(
+            done = render_file(
                 template,
                 args.input,
                 args.output,
@@ -655,8 +660,14 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
                 batch_rows=args.batch_rows,
                 progress=False if args.no_progress else None,
                 use_ray=args.ray,
+                training=args.training,
             )
-            print(f"llamaprompt: rendered {n} rows into {args.output}", file=sys.stderr)
+            failed = f", {done.failed} failed (their 'error' column holds llama.cpp's message)" if done.failed else ""
+            print(f"llamaprompt: rendered {done.rows} rows into {args.output}{failed}", file=sys.stderr)
+            for row, message in done.first_errors:
+                print(f"  row {row}: {message}", file=sys.stderr)
+            if done.failed > len(done.first_errors):
+                print(f"  ... and {done.failed - len(done.first_errors)} more", file=sys.stderr)
         elif args.command == "parse":
             params = template.apply(_read_bytes(args.request))
             text = _read_bytes(args.output).decode("utf-8", "surrogateescape")
@@ -745,7 +756,11 @@ def _diff_versions(args: argparse.Namespace, server_args: list[str]) -> int:
         paths = [str(p) for p in pinned_templates()]
     sargs = [*args.server_arg, *server_args]
     templates = versions.file_templates(
-        paths, server_args=sargs, bos_token=args.bos_token, eos_token=args.eos_token, add_bos=args.add_bos,
+        paths,
+        server_args=sargs,
+        bos_token=args.bos_token,
+        eos_token=args.eos_token,
+        add_bos=args.add_bos,
         add_eos=args.add_eos,
     )
     templates.update(versions.gguf_templates(args.gguf, server_args=sargs))

@@ -15,12 +15,23 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import Error
 from .template import ChatTemplate
 
-__all__ = ["render_table", "render_rows", "as_arrow_table", "build_request", "RenderBatch"]
+__all__ = [
+    "render_table",
+    "render_rows",
+    "render_file",
+    "as_arrow_table",
+    "build_request",
+    "RenderBatch",
+    "FileSummary",
+]
+
+#: the llama-server flag that renders a final assistant turn closed (not as a prefill)
+NO_PREFILL = "--no-prefill-assistant"
 
 
 def _pa():
@@ -114,10 +125,15 @@ def _json_or_value(value: Any) -> Any:
     return _drop_nulls(value)
 
 
-def build_request(messages: Any, tools: Any = None, kwargs: Any = None) -> dict[str, Any]:
+def build_request(
+    messages: Any, tools: Any = None, kwargs: Any = None, *, add_generation_prompt: bool | None = None
+) -> dict[str, Any]:
     """The request body for one row: ``messages`` (list or JSON text), optional ``tools``
-    (list or JSON text) and ``chat_template_kwargs`` (dict or JSON text)."""
+    (list or JSON text) and ``chat_template_kwargs`` (dict or JSON text);
+    ``add_generation_prompt`` is set in the body unless None (llama-server's default: true)."""
     body: dict[str, Any] = {"messages": _json_or_value(messages)}
+    if add_generation_prompt is not None:
+        body["add_generation_prompt"] = bool(add_generation_prompt)
     if tools is not None:
         t = _json_or_value(tools)
         if t:
@@ -133,14 +149,15 @@ def _render_one(template: ChatTemplate, body: Any, tokens: bool) -> tuple[str | 
     try:
         if isinstance(body, Exception):
             raise body
-        prompt = template.apply_template(body)
-        toks = template.tokenize(prompt, add_special=True).tolist() if tokens else None
-        return prompt, None, toks
+        if tokens:
+            prompt, toks = template.apply_template(body, tokens=True)
+            return prompt, None, toks.tolist()
+        return template.apply_template(body), None, None
     except (Error, ValueError, TypeError, RecursionError) as e:
         return None, getattr(e, "message", None) or str(e) or type(e).__name__, None
 
 
-def _bodies(table, messages: str, tools: str | None, kwargs: Any) -> list[Any]:
+def _bodies(table, messages: str, tools: str | None, kwargs: Any, add_generation_prompt: bool | None) -> list[Any]:
     cols = table.column_names
     if messages not in cols:
         raise KeyError(f"no column {messages!r} (columns: {', '.join(cols)})")
@@ -153,10 +170,18 @@ def _bodies(table, messages: str, tools: str | None, kwargs: Any) -> list[Any]:
     out: list[Any] = []
     for m, t, k in zip(msgs, tls, kws):
         try:
-            out.append(build_request(m, t, k))
+            out.append(build_request(m, t, k, add_generation_prompt=add_generation_prompt))
         except (ValueError, TypeError) as e:  # a row whose JSON text is broken
             out.append(ValueError(f"bad row: {e}"))
     return out
+
+
+def training_template(template: ChatTemplate) -> ChatTemplate:
+    """``template`` as llama-server with ``--no-prefill-assistant``: a conversation that ends
+    with an assistant message is rendered with that turn closed (its end-of-turn text), not
+    as a prefill for the model to continue (llama-server's default). ``template`` itself when
+    it already has the flag."""
+    return template.with_server_args(NO_PREFILL)
 
 
 def render_rows(
@@ -181,6 +206,7 @@ def render_table(
     kwargs: Any = None,
     tokens: bool = False,
     threads: int | None = None,
+    training: bool = False,
 ):
     """Render every row of a conversation table.
 
@@ -194,6 +220,11 @@ def render_table(
         tokens: add a ``tokens`` column (list<int32>): the prompt tokenized as llama-server
             feeds it to the model (``add_special=True``).
         threads: render with this many threads (default: one).
+        training: render fine-tuning text: every row with ``add_generation_prompt: false``,
+            by :func:`training_template` (``--no-prefill-assistant``), so a conversation
+            ending in an assistant turn ends with that turn closed. Default (False): as
+            llama-server serves the rows -- a generation prompt is added, and a final
+            assistant message is an open prefill without its end-of-turn text.
 
     Returns:
         a ``pyarrow.Table``: the input columns plus ``prompt`` (string, null on error),
@@ -205,7 +236,10 @@ def render_table(
     for name in ("prompt", "error", "tokens"):
         if name in tbl.column_names:
             tbl = tbl.drop_columns([name])
-    results = render_rows(template, _bodies(tbl, messages, tools, kwargs), tokens=tokens, threads=threads)
+    if training:
+        template = training_template(template)
+    bodies = _bodies(tbl, messages, tools, kwargs, False if training else None)
+    results = render_rows(template, bodies, tokens=tokens, threads=threads)
     tbl = tbl.append_column("prompt", pa.array([r[0] for r in results], pa.string()))
     tbl = tbl.append_column("error", pa.array([r[1] for r in results], pa.string()))
     if tokens:
@@ -306,6 +340,17 @@ def _run_worker(table: Any):
     return _worker(table)
 
 
+class FileSummary(NamedTuple):
+    """What :func:`render_file` wrote."""
+
+    #: rows written
+    rows: int
+    #: rows whose ``error`` is set (llama.cpp refused the request or the template raised)
+    failed: int
+    #: the first failed rows, as (row number from 0, llama.cpp's message)
+    first_errors: list[tuple[int, str]]
+
+
 def render_file(
     template: ChatTemplate,
     src: str | os.PathLike[str],
@@ -316,17 +361,29 @@ def render_file(
     batch_rows: int = 2048,
     progress: bool | None = None,
     use_ray: bool = False,
-) -> int:
+    training: bool = False,
+    keep_errors: int = 5,
+) -> FileSummary:
     """Render ``src`` (``.jsonl`` or ``.parquet``) into ``dst`` (parquet), streaming in
-    batches so memory stays bounded; returns the number of rows. ``workers`` > 1 uses
-    worker processes; ``use_ray`` runs the batches on Ray Data instead."""
+    batches so memory stays bounded.
+
+    ``workers`` > 1 uses worker processes; ``use_ray`` runs the batches on Ray Data instead
+    (:func:`llamaprompt.ray.render_dataset`; a Parquet input is read by Ray's own reader).
+    ``progress``: a tqdm bar on stderr (default: when stderr is a terminal); False also turns
+    off Ray Data's progress output. ``training`` as for :func:`render_table`.
+
+    Returns a :class:`FileSummary`: rows written, rows failed and the first ``keep_errors``
+    failures. Raises OSError for unreadable files, ImportError without pyarrow (or ray).
+    """
     import sys
 
     import pyarrow.parquet as pq
 
     src, dst = os.fspath(src), os.fspath(dst)
     kwargs_col = "chat_template_kwargs"
-    fn = RenderBatch(template, tokens=tokens, kwargs=kwargs_col)
+    options: dict[str, Any] = {"tokens": tokens, "kwargs": kwargs_col, "training": training}
+    fn = RenderBatch(template, **options)
+    show = sys.stderr.isatty() if progress is None else progress
     batches = _iter_input(src, batch_rows)
     pool = None
     if use_ray:
@@ -334,9 +391,11 @@ def render_file(
 
         from .ray import render_dataset
 
-        # Ray Data holds the input in its object store (spilling to disk as needed)
-        ds = ray.data.from_arrow(list(batches))
-        out_ds = render_dataset(ds, template, tokens=tokens, kwargs=kwargs_col, workers=max(1, workers))
+        if not show:
+            ray.data.DataContext.get_current().enable_progress_bars = False
+        # JSONL rows keep their line in "record" (and broken lines become error rows), as without Ray
+        ds = ray.data.read_parquet(src) if src.endswith(".parquet") else ray.data.from_arrow(list(batches))
+        out_ds = render_dataset(ds, template, workers=max(1, workers), **options)
         results: Iterable[Any] = out_ds.iter_batches(batch_format="pyarrow", batch_size=None)
     elif workers > 1:
         from concurrent.futures import ProcessPoolExecutor
@@ -345,24 +404,31 @@ def render_file(
         results = _bounded_map(pool, batches, window=2 * workers)
     else:
         results = map(fn, batches)
-    show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
         from tqdm import tqdm
 
         bar = tqdm(desc="render", unit="row", file=sys.stderr)
     writer = None
-    rows = 0
+    rows = failed = 0
+    first: list[tuple[int, str]] = []
     try:
         for out in results:
             if writer is None:
                 writer = pq.ParquetWriter(dst, out.schema)
             writer.write_table(out)
+            errors = out.column("error")
+            n_failed = len(errors) - errors.null_count
+            if n_failed and len(first) < keep_errors:
+                for i, e in enumerate(errors.to_pylist()):
+                    if e is not None and len(first) < keep_errors:
+                        first.append((rows + i, e))
+            failed += n_failed
             rows += out.num_rows
             if bar is not None:
                 bar.update(out.num_rows)
         if writer is None:  # empty input
-            empty = render_table(template, _JSONL_SCHEMA().empty_table(), tokens=tokens, kwargs=kwargs_col)
+            empty = render_table(template, _JSONL_SCHEMA().empty_table(), **options)
             pq.write_table(empty, dst)
     finally:
         if writer is not None:
@@ -371,4 +437,4 @@ def render_file(
             pool.shutdown()
         if bar is not None:
             bar.close()
-    return rows
+    return FileSummary(rows, failed, first)

@@ -195,8 +195,9 @@ class UntrustedTemplate:
         max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
         **options: Any,
     ) -> None:
-        tokens = tuple(options.pop(k, d) for k, d in (("bos_token", ""), ("eos_token", ""), ("add_bos", False),
-                                                     ("add_eos", False)))
+        tokens = tuple(
+            options.pop(k, d) for k, d in (("bos_token", ""), ("eos_token", ""), ("add_bos", False), ("add_eos", False))
+        )
         self._init((source, None, tokens), options, timeout, max_output_bytes, max_memory_bytes)
 
     @classmethod
@@ -218,8 +219,9 @@ class UntrustedTemplate:
         """As ChatTemplate.from_gguf, with the file opened and its template run in the worker."""
         self = cls.__new__(cls)
         chat_template = options.pop("chat_template", None)
-        self._init((chat_template, fspath(path), ("", "", False, False)), options, timeout, max_output_bytes,
-                   max_memory_bytes)
+        self._init(
+            (chat_template, fspath(path), ("", "", False, False)), options, timeout, max_output_bytes, max_memory_bytes
+        )
         return self
 
     def _init(

@@ -6,7 +6,7 @@ import copy
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from . import _core
 from .cores import core_module
 from .errors import Error, TemplateError
 from .hooks import check_hook, hooks_for, template_sha256
+from .notices import Notices, logger
 from .options import (
     DEFAULT_MAX_OUTPUT_BYTES,
     DEFAULT_MAX_TOOLS,
@@ -26,7 +27,31 @@ from .options import (
 from .params import ChatParams
 from .text import Request, fspath, request_body, utf8
 
-__all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "MEDIA_KINDS", "Request"]
+__all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "MEDIA_KINDS", "PromptTokens", "Request"]
+
+
+class PromptTokens(NamedTuple):
+    """A prompt and its tokens from one render (``apply_template(request, tokens=True)``)."""
+
+    #: the prompt, as POST /apply-template returns it
+    prompt: str
+    #: int32 ndarray of shape (n,): the prompt as llama-server tokenizes it for the model
+    tokens: np.ndarray
+
+
+def _looks_like_path(source: str) -> str | None:
+    """Why ``source`` (a template text) is probably a file path, or None."""
+    if len(source) > 4096 or "\n" in source or "{" in source:
+        return None
+    try:
+        if os.path.isfile(source):
+            return f"{source!r} is the path of an existing file, not a template"
+    except (OSError, ValueError):
+        return None
+    if source.endswith((".jinja", ".j2", ".gguf")):
+        return f"{source!r} looks like a file path (no such file), not a template"
+    return None
+
 
 #: The chat_template_caps keys of the in-process core's llama.cpp tree
 #: (jinja::caps::to_map(); 9 keys on the pin, 8 on trees without supports_reasoning_effort)
@@ -165,8 +190,13 @@ class ChatTemplate:
         media: bool | str | Iterable[str] = True,
         llama_cpp: str | None = None,
     ) -> None:
+        if isinstance(source, os.PathLike):
+            raise TypeError("source is the template text; to load a template file use ChatTemplate.from_file(path)")
         if not isinstance(source, (str, bytes)):
             raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
+        named = "--no-jinja" in server_args  # builtin(): the source is a built-in template's name
+        if isinstance(source, str) and not named and (why := _looks_like_path(source)):
+            raise ValueError(f"{why}: source is the template text; use ChatTemplate.from_file(path) to load a file")
         for name, value in (("bos_token", bos_token), ("eos_token", eos_token)):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, not {type(value).__name__}")
@@ -185,9 +215,18 @@ class ChatTemplate:
             model=None,
             tokens=tokens,
             core=lambda: lib.Template(
-                utf8(source), utf8(bos), utf8(eos), add_bos, add_eos, opts.core_server_args(),
-                utf8(opts.media_marker), opts.fetch_remote_media, opts.caps, opts.handler == "autoparser",
-                opts.fast_path, *limits,
+                utf8(source),
+                utf8(bos),
+                utf8(eos),
+                add_bos,
+                add_eos,
+                opts.core_server_args(),
+                utf8(opts.media_marker),
+                opts.fetch_remote_media,
+                opts.caps,
+                opts.handler == "autoparser",
+                opts.fast_path,
+                *limits,
             ),
         )
 
@@ -207,6 +246,7 @@ class ChatTemplate:
         self._core = core()
         kinds = opts.media
         self._core.set_media("image" in kinds, "audio" in kinds, "video" in kinds)
+        self._notices = Notices(gguf_path or "template " + template_sha256(self.source)[:12], self._core.caps())
 
     @classmethod
     def from_gguf(
@@ -269,12 +309,27 @@ class ChatTemplate:
             model=model,
             tokens=("", "", bool(model.add_bos), bool(model.add_eos)),
             core=lambda: lib.Template(
-                model, override, opts.core_server_args(), utf8(opts.media_marker), opts.fetch_remote_media,
-                opts.caps, opts.handler == "autoparser", opts.fast_path, *limits,
+                model,
+                override,
+                opts.core_server_args(),
+                utf8(opts.media_marker),
+                opts.fetch_remote_media,
+                opts.caps,
+                opts.handler == "autoparser",
+                opts.fast_path,
+                *limits,
             ),
         )
         props = self._core.props()
         self._tokens = (props["bos_token"], props["eos_token"], self._tokens[2], self._tokens[3])
+        if chat_template is None:
+            keys = _core.gguf_metadata(path, 0)
+            if "tokenizer.chat_template" not in keys and "tokenizer.chat_template.tool_use" not in keys:
+                logger.warning(
+                    "%s: the GGUF file has no chat template (tokenizer.chat_template); llama.cpp falls back to "
+                    "chatml, as llama-server -m does. Pass chat_template= (--chat-template-file) for the model's own.",
+                    path,
+                )
 
     @classmethod
     def builtin(cls, name: str, **options: Any) -> ChatTemplate:
@@ -300,9 +355,12 @@ class ChatTemplate:
         Takes the same keyword options as the constructor. Raises ``OSError`` when the
         file cannot be read, and what the constructor raises.
         """
-        with open(fspath(path), "rb") as f:
+        path = fspath(path)
+        with open(path, "rb") as f:
             data = f.read()
-        return cls(data, **options)
+        self = cls(data, **options)
+        self._notices.name = path
+        return self
 
     # -- what GET /props reports --------------------------------------------------------
 
@@ -349,6 +407,19 @@ class ChatTemplate:
         """A new ChatTemplate with the same template and options and these caps forced on top
         of this one's (this object is unchanged). Raises ValueError for an unknown caps key."""
         return self._rebuild(caps={**self._opts.caps, **caps})
+
+    def with_server_args(self, *args: str) -> ChatTemplate:
+        """This template as a llama-server started with these flags added to :attr:`server_args`
+        (e.g. ``t.with_server_args("--no-prefill-assistant")``); this object is unchanged. The
+        result is cached on this template (one build per flag list), and is this template
+        itself for a single flag it already has. Raises ServerArgsError as the constructor."""
+        if len(args) == 1 and args[0] in self._opts.server_args:
+            return self
+        siblings = self.__dict__.setdefault("_siblings", {})
+        made = siblings.get(args)
+        if made is None:
+            made = siblings[args] = self._rebuild(server_args=[*self._opts.server_args, *args])
+        return made
 
     def _rebuild(self, **changes: Any) -> ChatTemplate:
         return _restore(self._input_source, self._gguf_path, self._tokens, self._opts.replace(None, **changes))
@@ -464,7 +535,17 @@ class ChatTemplate:
 
     # -- requests -----------------------------------------------------------------------
 
-    def apply_template(self, request: Request, *, timeout: float | None = None) -> str:
+    @overload
+    def apply_template(
+        self, request: Request, *, tokens: Literal[False] = False, timeout: float | None = None
+    ) -> str: ...
+
+    @overload
+    def apply_template(
+        self, request: Request, *, tokens: Literal[True], timeout: float | None = None
+    ) -> PromptTokens: ...
+
+    def apply_template(self, request: Request, *, tokens: bool = False, timeout: float | None = None) -> Any:
         """The prompt POST /apply-template returns for this request body.
 
         Args:
@@ -473,23 +554,39 @@ class ChatTemplate:
                 ``continue_final_message``, ``response_format`` ...) as a mapping or JSON text.
                 Image, audio and video parts become the media marker. Text nested more than
                 1000 levels deep is refused (RequestError).
+            tokens: also return the prompt's tokens, from the same render: a
+                :class:`PromptTokens` ``(prompt, tokens)``, tokens as :meth:`apply_template_tokens`
+                gives them (GGUF-backed templates only).
             timeout: this call's time budget in seconds (default: the template's).
 
         Returns:
             The prompt (str). Bytes that are not valid UTF-8 are kept as surrogate escapes.
+            With ``tokens=True``: ``PromptTokens(prompt, tokens)``, tokens an int32 ndarray of shape (n,).
 
         Raises:
             RequestError: llama-server would answer 400.
             TemplateError: llama-server would answer 500 (e.g. the template raised), or the
                 template execution exceeded a budget (time, stack, output size).
+            TypeError: ``tokens=True`` for a template not loaded from a GGUF file.
+
+        A top-level template variable such as ``enable_thinking`` (llama-server reads it only
+        in ``chat_template_kwargs``) and tools sent to a template that renders none are logged
+        once per template as warnings on the ``llamaprompt`` logger (:mod:`llamaprompt.notices`).
         """
+        if tokens:
+            self._vocab()  # before rendering: the TypeError, not a wasted render
+        self._notices.check(request)
         hooks = hooks_for(self, self._opts.hooks)
         seconds = call_timeout(timeout)
         if not hooks:
-            return self._core.apply_template(request_body(request), seconds)
-        if any(hasattr(h, "after_params") for h in hooks):
-            return self._apply_hooked(request, hooks, seconds).prompt
-        return self._core.apply_template(request_body(_before(request, hooks)), seconds)
+            prompt = self._core.apply_template(request_body(request), seconds)
+        elif any(hasattr(h, "after_params") for h in hooks):
+            prompt = self._apply_hooked(request, hooks, seconds).prompt
+        else:
+            prompt = self._core.apply_template(request_body(_before(request, hooks)), seconds)
+        if tokens:
+            return PromptTokens(prompt, self.tokenize(prompt, add_special=True, parse_special=True))
+        return prompt
 
     def apply_template_many(
         self,
@@ -529,6 +626,8 @@ class ChatTemplate:
         if isinstance(requests, (Mapping, str, bytes)):
             raise TypeError("requests must be an iterable of requests (e.g. a list of dicts), not one request")
         items = list(requests)
+        for request in items:
+            self._notices.check(request)
         if hooks_for(self, self._opts.hooks):
             from concurrent.futures import ThreadPoolExecutor
 
@@ -573,6 +672,7 @@ class ChatTemplate:
         ``timeout`` as for :meth:`apply_template`. Raises the same errors as
         :meth:`apply_template`.
         """
+        self._notices.check(request)
         hooks = hooks_for(self, self._opts.hooks)
         seconds = call_timeout(timeout)
         if hooks:
@@ -676,10 +776,10 @@ class ChatTemplate:
         text tokens, with the media marker tokenized as plain text.
 
         Returns int32 ndarray of shape ``(n,)``. Raises what :meth:`apply_template` and
-        :meth:`tokenize` raise.
+        :meth:`tokenize` raise. ``apply_template(request, tokens=True)`` gives prompt and
+        tokens from one render.
         """
-        prompt = self.apply_template(request)
-        return self.tokenize(prompt, add_special=True, parse_special=True)
+        return self.apply_template(request, tokens=True).tokens
 
     # -- pickling: rebuilt from its source (or GGUF path) and options in the other process
 

@@ -1,0 +1,94 @@
+"""Warnings about requests whose outcome is probably not what the caller meant, logged once
+per template on ``logging.getLogger("llamaprompt")`` (a NullHandler: silent until the
+application configures logging). They never change what llama.cpp receives or returns.
+
+- a template variable (``enable_thinking``, ``documents`` ...) at the top level of a
+  request: llama-server reads template variables from ``chat_template_kwargs`` only, so the
+  top-level key has no effect (the transformers habit ``apply_chat_template(..., enable_thinking=False)``);
+- ``tools`` sent to a template whose ``chat_template_caps`` say it renders neither tools nor
+  tool calls: llama.cpp passes them on, the template ignores them, the prompt has none;
+- a GGUF file without a chat template: llama.cpp falls back to chatml (``common_chat_templates_init``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MISPLACED_KWARGS", "Notices", "logger"]
+
+logger = logging.getLogger("llamaprompt")
+
+#: Template variables that the pinned templates read and transformers users pass as
+#: ``apply_chat_template`` keyword arguments; llama-server reads none of them at the top level
+#: of a request (it does read ``reasoning_effort`` there, which is why it is not listed).
+MISPLACED_KWARGS = (
+    "enable_thinking",
+    "thinking",
+    "thinking_mode",
+    "documents",
+    "builtin_tools",
+    "custom_tools",
+    "date_string",
+    "tools_in_user_message",
+    "preserve_thinking",
+    "keep_past_thinking",
+    "clear_thinking",
+    "truncate_history_thinking",
+    "model_identity",
+    "add_vision_id",
+)
+
+_TOP_LEVEL_TEXT = re.compile(rb'"(' + b"|".join(k.encode() for k in MISPLACED_KWARGS) + rb'|tools)"\s*:')
+
+
+class Notices:
+    """The warnings one template still owes (each is logged at most once)."""
+
+    __slots__ = ("_misplaced", "_tools", "name")
+
+    def __init__(self, name: str, caps: Mapping[str, bool]) -> None:
+        self.name = name
+        self._misplaced = set(MISPLACED_KWARGS)
+        # llama.cpp's own caps: a template that renders neither tools nor tool calls ignores them
+        self._tools = not caps.get("supports_tools", True) and not caps.get("supports_tool_calls", True)
+
+    def check(self, request: Any) -> None:
+        """Log what this request shows for the first time (cheap when nothing is pending)."""
+        if not self._misplaced and not self._tools:
+            return
+        if isinstance(request, (bytes, str)):
+            text = request.encode("utf-8", "surrogatepass") if isinstance(request, str) else request
+            if not _TOP_LEVEL_TEXT.search(text):
+                return
+            try:
+                request = json.loads(text)
+            except (ValueError, RecursionError):
+                return
+        if not isinstance(request, Mapping):
+            return
+        if self._misplaced:
+            for key in self._misplaced.intersection(request.keys()):
+                self._misplaced.discard(key)
+                logger.warning(
+                    "%s: request key %r is not read by llama-server at the top level of a request, so it has no "
+                    'effect; template variables go in "chat_template_kwargs" (e.g. {"chat_template_kwargs": '
+                    '{"%s": ...}}). This warning is logged once per template.',
+                    self.name,
+                    key,
+                    key,
+                )
+        if self._tools:
+            tools = request.get("tools")
+            if isinstance(tools, list) and tools:
+                self._tools = False
+                logger.warning(
+                    "%s: the request has tools, but the template renders neither tools nor tool calls "
+                    "(chat_template_caps supports_tools and supports_tool_calls are false): llama.cpp passes "
+                    "them to the template, which leaves them out of the prompt. This warning is logged once "
+                    "per template.",
+                    self.name,
+                )

@@ -1,0 +1,275 @@
+"""apply_chat_template (transformers' names and shapes), prompt + tokens from one render, and
+the footguns: a path given as template text, template variables at the top level of a request,
+tools a template ignores, a GGUF without a template. Expected prompts and tokens are llama-server's
+recordings (the reference fixtures), mapped the way the docs say the arguments map."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import llamaprompt
+from conftest import load_reference, mask_dates, reference_cases, template_path, vocab_gguf
+
+# requests whose body is messages (+ tools, + chat_template_kwargs): each maps to one call
+PLAIN = (
+    "basic",
+    "system_multi_turn",
+    "typed_text_parts",
+    "reasoning_only_turn",
+    "reasoning_with_content",
+    "developer_role",
+    "unicode_and_specials",
+    "empty_assistant_turn",
+    "tools_question",
+    "tool_call_only",
+    "tool_call_with_text_json_result",
+    "parallel_tool_calls",
+    "typed_tool_result",
+    "thinking_disabled_kwarg",
+    "reasoning_effort_low",
+    "err_content_number",
+    "err_missing_role",
+    "err_enable_thinking_string",
+    "err_unknown_part_type",
+)
+
+
+def _variants():
+    default = load_reference("apply_template.json")
+    other = load_reference("apply_template_server_args.json")
+    no_prefill = next(v for v in other["variants"] if v["server_args"] == ["--no-prefill-assistant"])
+    return default, default["variants"][0], no_prefill
+
+
+def _collect():
+    _, variant, _ = _variants()
+    for name in variant["templates"]:
+        yield pytest.param(name, id=name)
+
+
+def _call_args(request: dict) -> tuple[list, dict]:
+    """apply_chat_template arguments meaning what this llama-server request body means."""
+    kwargs = dict(request.get("chat_template_kwargs", {}))
+    if "reasoning_effort" in request:  # llama-server copies it into chat_template_kwargs
+        kwargs["reasoning_effort"] = request["reasoning_effort"]
+    if "tools" in request:
+        kwargs["tools"] = request["tools"]
+    return request["messages"], kwargs
+
+
+def _expect(t, case, rendered_on, messages, **kwargs):
+    if case["status"] == 200:
+        assert mask_dates(llamaprompt.apply_chat_template(t, messages, **kwargs), rendered_on) == case["prompt"]
+    else:
+        with pytest.raises(llamaprompt.Error) as info:
+            llamaprompt.apply_chat_template(t, messages, **kwargs)
+        assert (info.value.status, info.value.message) == (case["status"], case["error"]["message"])
+
+
+@pytest.mark.parametrize("name", reference_cases(_collect))
+def test_apply_chat_template_is_the_servers_prompt(name):
+    ref, default, no_prefill = _variants()
+    tok = ref["model_tokens"]
+    t = llamaprompt.ChatTemplate.from_file(
+        template_path(name),
+        bos_token=tok["bos_token"],
+        eos_token=tok["eos_token"],
+        add_bos=tok["add_bos"],
+        add_eos=tok["add_eos"],
+        media_marker=ref["media_marker"],
+    )
+    cases, closed = default["templates"][name]["cases"], no_prefill["templates"][name]["cases"]
+    day = ref["rendered_on"]
+    for rname in PLAIN:
+        messages, kwargs = _call_args(ref["requests"][rname])
+        _expect(t, cases[rname], day, messages, **kwargs)
+    # a final assistant message: closed (transformers' meaning, llama-server --no-prefill-assistant) ...
+    for rname, extra in (("no_generation_prompt", {"add_generation_prompt": False}), ("assistant_prefill", {})):
+        messages = ref["requests"][rname]["messages"]
+        _expect(t, closed[rname], day, messages, **extra)
+    # ... or continued (llama-server's default prefill, or its continue_final_message)
+    for rname in ("assistant_prefill", "continue_final_message"):
+        messages = ref["requests"][rname]["messages"]
+        _expect(t, cases[rname], day, messages, continue_final_message=True)
+    # a batch is the list of the single results
+    batch = [ref["requests"]["basic"]["messages"], ref["requests"]["system_multi_turn"]["messages"]]
+    want = [cases["basic"], cases["system_multi_turn"]]
+    if all(c["status"] == 200 for c in want):
+        got = llamaprompt.apply_chat_template(t, batch)
+        assert [mask_dates(p, day) for p in got] == [c["prompt"] for c in want]
+
+
+def test_transformers_argument_rules(qwen3):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"}]
+    with pytest.raises(ValueError, match="not compatible"):
+        llamaprompt.apply_chat_template(qwen3, messages, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="empty conversation"):
+        llamaprompt.apply_chat_template(qwen3, [])
+    for option in ("padding", "return_tensors", "truncation", "chat_template"):
+        with pytest.raises(TypeError, match=option):
+            llamaprompt.apply_chat_template(qwen3, messages, **{option: True})
+    with pytest.raises(TypeError, match="GGUF"):
+        llamaprompt.apply_chat_template(qwen3, messages, tokenize=True)
+    with pytest.raises(TypeError, match="ChatTemplate"):
+        llamaprompt.apply_chat_template("{{ x }}", messages)
+    # documents travel as the template variable of that name
+    t = llamaprompt.ChatTemplate("{% for d in documents %}[{{ d.title }}]{% endfor %}{{ messages[0].content }}")
+    assert llamaprompt.apply_chat_template(t, messages[:1], documents=[{"title": "A"}, {"title": "B"}]) == "[A][B]Hi"
+    # a Python function as a tool needs transformers; the OpenAI form needs nothing
+    pytest.importorskip("transformers")
+
+    def get_weather(city: str) -> str:
+        """Weather of a city.
+
+        Args:
+            city: the city
+        """
+        return city
+
+    t = llamaprompt.ChatTemplate("{{ tools[0].function.name }}|{{ tools[0].function.parameters.required[0] }}")
+    assert llamaprompt.apply_chat_template(t, messages[:1], tools=[get_weather]) == "get_weather|city"
+
+
+def _gguf_cases():
+    ref = load_reference("gguf.json")
+    for model, m in ref["models"].items():
+        for rname, case in m["cases"].items():
+            if (
+                "tokens_add_special_true" in case
+                and "messages" in ref["requests"][rname]
+                and rname != "image_then_text"
+            ):
+                yield pytest.param(model, rname, id=f"{model}-{rname}")
+
+
+@pytest.mark.parametrize(("model", "rname"), reference_cases(_gguf_cases))
+def test_tokens_from_one_render(model, rname):
+    ref = load_reference("gguf.json")
+    m = ref["models"][model]
+    case = m["cases"][rname]
+    request = ref["requests"][rname]
+    t = llamaprompt.ChatTemplate.from_gguf(vocab_gguf(m["vocab_file"]), media_marker=ref["media_marker"])
+    prompt, tokens = t.apply_template(request, tokens=True)
+    assert mask_dates(prompt, ref["rendered_on"]) == case["prompt"]
+    assert tokens.dtype == np.int32 and tokens.tolist() == case["tokens_add_special_true"]
+    if set(request) <= {"messages", "tools"}:
+        messages, kwargs = _call_args(request)
+        ids = llamaprompt.apply_chat_template(t, messages, tokenize=True, **kwargs)
+        assert ids == case["tokens_add_special_true"]
+        enc = llamaprompt.apply_chat_template(t, [messages, messages], tokenize=True, return_dict=True, **kwargs)
+        assert enc == {"input_ids": [ids, ids], "attention_mask": [[1] * len(ids)] * 2}
+
+
+def test_one_render_for_prompt_and_tokens(monkeypatch):
+    t = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-qwen2.gguf"))
+    calls = []
+    core = t._core
+
+    class Counting:
+        def __getattr__(self, name):
+            attr = getattr(core, name)
+            if name.startswith("apply"):
+                return lambda *a, **k: (calls.append(name), attr(*a, **k))[1]
+            return attr
+
+    monkeypatch.setattr(t, "_core", Counting())
+    out = t.apply_template({"messages": [{"role": "user", "content": "Hi"}]}, tokens=True)
+    assert isinstance(out, llamaprompt.PromptTokens) and calls == ["apply_template"]
+    assert out.tokens.tolist() == t.tokenize(out.prompt, add_special=True).tolist()
+
+
+def test_a_path_is_not_a_template(tmp_path):
+    f = tmp_path / "Qwen3.jinja"
+    f.write_text("{{ messages[0].content }}")
+    for source in (str(f), str(tmp_path / "missing.jinja")):
+        with pytest.raises(ValueError, match=r"from_file"):
+            llamaprompt.ChatTemplate(source)
+    with pytest.raises(TypeError, match=r"from_file"):
+        llamaprompt.ChatTemplate(f)
+    assert llamaprompt.ChatTemplate.from_file(f).apply_template({"messages": [{"role": "user", "content": "x"}]}) == "x"
+    # template text, even a one-liner without Jinja, is still a template
+    assert llamaprompt.ChatTemplate("hello").apply_template({"messages": [{"role": "user", "content": "x"}]}) == "hello"
+
+
+def _records(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "llamaprompt" and r.levelno == logging.WARNING]
+
+
+def test_top_level_template_variable_is_warned_once(caplog):
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    plain = {"messages": [{"role": "user", "content": "Hi"}]}
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        a = t.apply_template({**plain, "enable_thinking": False})
+        t.apply_template('{"messages": [{"role": "user", "content": "Hi"}], "enable_thinking": false}')
+        t.apply({**plain, "enable_thinking": False})
+        t.apply_template(plain)
+    # the request still went to llama.cpp unchanged: llama-server ignores the key
+    assert a == t.apply_template(plain)
+    warned = _records(caplog)
+    assert len(warned) == 1 and "'enable_thinking'" in warned[0] and "chat_template_kwargs" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        t.apply_template_many(
+            [{**plain, "documents": []}, {**plain, "chat_template_kwargs": {"enable_thinking": False}}]
+        )
+    assert len(_records(caplog)) == 1 and "'documents'" in _records(caplog)[0]
+
+
+def test_tools_a_template_ignores_are_warned_once(caplog):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]}
+    gemma = llamaprompt.ChatTemplate.from_file(template_path("google-gemma-2-2b-it.jinja"))
+    qwen = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    assert not gemma.caps["supports_tools"] and not gemma.caps["supports_tool_calls"] and qwen.caps["supports_tools"]
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        prompt = gemma.apply_template(body)
+        gemma.apply_template(body)
+        qwen.apply_template(body)
+    warned = _records(caplog)
+    assert len(warned) == 1 and "supports_tools" in warned[0] and "google-gemma-2-2b-it.jinja" in warned[0]
+    assert '"f"' not in prompt and "f" not in prompt.replace("of", "")  # the tool is indeed not in the prompt
+
+
+def test_chatml_fallback_is_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        t = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-llama-spm.gguf"))
+        llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-qwen2.gguf"))  # has its own template
+        llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-llama-spm.gguf"), chat_template="{{ 'x' }}")
+    warned = _records(caplog)
+    assert len(warned) == 1 and "chatml" in warned[0] and "ggml-vocab-llama-spm.gguf" in warned[0]
+    assert t.apply_template({"messages": [{"role": "user", "content": "Hi"}]}).startswith("<|im_start|>user\nHi")
+
+
+def test_the_documented_differences_hold_for_transformers():
+    """docs/transformers.md says what transformers renders where llama-server differs; check
+    those claims against transformers' own renderer (the llamaprompt side is run by test_docs)."""
+    pytest.importorskip("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def hf(name, conversation, **kwargs):
+        source = template_path(name).read_text(encoding="utf-8") if name.endswith(".jinja") else name
+        kwargs.setdefault("add_generation_prompt", True)
+        return render_jinja_template(conversations=[conversation], chat_template=source, **kwargs)[0][0]
+
+    hello = [{"role": "user", "content": "Hello"}]
+    llama = "meta-llama-Llama-3.1-8B-Instruct.jinja"
+    assert hf(llama, hello, bos_token="<|begin_of_text|>").startswith("<|begin_of_text|><|start_header_id|>system")
+    assert "Today Date: 26 Jul 2024" in hf(llama, hello, bos_token="")
+    assert "<|think|>" not in hf("google-gemma-4-31B-it.jinja", hello, bos_token="")
+    probe = "{% for m in messages %}[{{ m.content is defined }}:{{ m.content }}]{% endfor %}"
+    # render_jinja_template passes None; apply_chat_template (v5) first drops None-valued keys
+    assert hf(probe, [{"role": "assistant", "content": None}]) == "[True:None]"
+    assert hf(probe, [{"role": "assistant"}]) == "[False:]"
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turn = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert '"parameters": "{\\"city\\": \\"Paris\\"}"' in hf(llama, turn, bos_token="", add_generation_prompt=False)
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    with pytest.raises(Exception, match="System role not supported"):
+        hf("google-gemma-2-2b-it.jinja", system, bos_token="")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    qwen = "Qwen-Qwen3-0.6B.jinja"
+    assert hf(qwen, turns, add_generation_prompt=False).endswith("Hello!<|im_end|>\n")
+    assert hf(qwen, turns, add_generation_prompt=False, continue_final_message=True).endswith("Hello!")
