@@ -93,3 +93,20 @@ def test_render_params_prints_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["prompt"].startswith("<|im_start|>system") and out["format"] and "llama_params" in out
+
+
+def test_normalize_needs_messages(tmp_path):
+    """A request body without 'messages' is refused with llama.cpp's message, as from Python
+    (it once printed [] and exited 0)."""
+    body = tmp_path / "b.json"
+    body.write_text(json.dumps({"message": [{"role": "user", "content": "a"}]}))
+    proc = run("normalize", "--template", str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")), str(body))
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert b"'messages' is required" in proc.stderr
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    try:
+        t.apply_template({"message": []})
+    except llamaprompt.RequestError as e:
+        assert e.message.encode() in proc.stderr
+    else:
+        raise AssertionError("llama.cpp accepted a body without messages")

@@ -324,3 +324,46 @@ def test_new_user_findings(tmp_path, few_doc, server):
         assert e.code == 405 and json.loads(e.read())["error"]["code"] == 405
     status, err = _http(f"{server}/props?model=nope")
     assert status == 404 and "Qwen-Qwen3-0.6B.jinja" in err["error"]["message"]
+
+
+def test_fixtures_cli_several_dirs_and_a_broken_template(tmp_path):
+    """--templates twice keeps both folders (it once kept the last); a template llama.cpp cannot
+    load becomes a load_errors entry naming its file, the others are still rendered, exit 1."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "one.jinja").write_text(template_path(FEW[0]).read_text())
+    (b / "two.jinja").write_text(template_path(FEW[2]).read_text())
+    (b / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")
+    reqs = tmp_path / "r.json"
+    reqs.write_text(json.dumps({"hi": {"messages": [{"role": "user", "content": "hi"}]}}))
+    out = tmp_path / "o.json"
+    cmd = [*CLI, "fixtures", "--templates", str(a), "--templates", str(b), "--requests", str(reqs), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(out.read_text())
+    assert sorted(doc["templates"]) == ["one.jinja", "two.jinja"]
+    err = doc["load_errors"]["broken.jinja"]
+    assert (
+        err["path"] == str(b / "broken.jinja") and err["error"]["type"] == "TemplateError" and err["error"]["message"]
+    )
+    assert str(b / "broken.jinja") in proc.stderr and "loaded 2 of 3 templates (1 from" in proc.stderr
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, fx.schema())
+    missing = subprocess.run(
+        [*CLI, "fixtures", "--templates", str(tmp_path / "nope"), "-o", str(out)], capture_output=True
+    )
+    assert missing.returncode == 2 and b"not a directory" in missing.stderr
+
+
+def test_diff_lists_what_only_other_has(few_doc):
+    other = {t: {r: c.get("prompt") for r, c in e["cases"].items()} for t, e in few_doc["templates"].items()}
+    other["my-own.jinja"] = {"plain_chat": "x"}
+    other[FEW[0]]["my_request"] = "y"
+    report = fx.diff_fixtures(few_doc, other)
+    assert report["summary"] == "5 of 5 templates agree"
+    assert report["only_in_other"] == ["my-own.jinja"] and report["templates"][FEW[0]]["only_in_other"] == [
+        "my_request"
+    ]
+    md = fx.diff_markdown(report)
+    assert "in OTHER only (no reference): my-own.jinja" in md and "my_request" in md

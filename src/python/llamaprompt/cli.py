@@ -271,7 +271,9 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="Jinja template files (repeatable)",
         )
-        g.add_argument("--templates", metavar="DIR", help="every *.jinja file in DIR")
+        g.add_argument(
+            "--templates", action="append", default=[], metavar="DIR", help="every *.jinja file in DIR (repeatable)"
+        )
         g.add_argument(
             "--gguf",
             nargs="+",
@@ -366,7 +368,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="to_core", required=True, metavar="VERSION", help="the new llama.cpp core")
     g = p.add_argument_group("templates (default: every template shipped with llamaprompt)")
     g.add_argument("--template", "-t", nargs="+", action="extend", default=[], metavar="FILE", help="template files")
-    g.add_argument("--templates", metavar="DIR", help="every *.jinja file in DIR")
+    g.add_argument(
+        "--templates", action="append", default=[], metavar="DIR", help="every *.jinja file in DIR (repeatable)"
+    )
     g.add_argument("--gguf", nargs="+", action="extend", default=[], metavar="FILE", help="GGUF model files")
     g.add_argument("--pinned", nargs="*", metavar="NAME", default=None, help="shipped templates by name (or all)")
     _file_token_options(g)
@@ -402,7 +406,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("templates (default: every template of the pinned tree)")
     g.add_argument("--template", "-t", nargs="+", action="extend", default=[], metavar="FILE", help="template files")
-    g.add_argument("--templates", metavar="DIR", help="every *.jinja file in DIR")
+    g.add_argument(
+        "--templates", action="append", default=[], metavar="DIR", help="every *.jinja file in DIR (repeatable)"
+    )
     g.add_argument("--pinned", nargs="*", metavar="NAME", default=None, help="pinned templates by name (or all)")
     p.add_argument(
         "--requests", metavar="REQUESTS.json", help="JSON object name -> request body (default: the shipped set)"
@@ -463,14 +469,45 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _template_dirs(dirs: list[str]) -> list[Path]:
+    """The *.jinja files of every --templates DIR, in order; UsageError for a DIR that is not a
+    directory or holds none (a typo must not silently mean "fewer templates")."""
+    paths: list[Path] = []
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise UsageError(f"--templates {d}: not a directory")
+        found = sorted(Path(d).glob("*.jinja"))
+        if not found:
+            raise UsageError(f"--templates {d}: no *.jinja files")
+        paths += found
+    return paths
+
+
+def _loaded_from(args: argparse.Namespace) -> str:
+    """Where the templates came from, with counts: "12 from DIR1, 8 from DIR2, 1 --template"."""
+    parts = [f"{len(list(Path(d).glob('*.jinja')))} from {d}" for d in getattr(args, "templates", [])]
+    if args.template:
+        parts.append(f"{len(args.template)} --template")
+    if getattr(args, "gguf", None):
+        parts.append(f"{len(args.gguf)} --gguf")
+    if getattr(args, "pinned", None) is not None:
+        parts.append(f"{len(args.pinned) if args.pinned else len(pinned_templates())} pinned")
+    return ", ".join(parts)
+
+
 def _load_many(
-    args: argparse.Namespace, server_args: list[str], factory: Any = ChatTemplate, **extra: Any
+    args: argparse.Namespace,
+    server_args: list[str],
+    factory: Any = ChatTemplate,
+    failures: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """name -> template for fixtures/serve (names: file names, made unique); ``factory`` is
-    ChatTemplate or UntrustedTemplate (same constructors)."""
+    ChatTemplate or UntrustedTemplate (same constructors). With ``failures`` (a dict), a
+    template that does not load is recorded there (name -> {"path", "error"}) and the others
+    still load; without, its error is raised."""
     paths = [Path(p) for p in args.template]
-    if args.templates:
-        paths += sorted(Path(args.templates).glob("*.jinja"))
+    paths += _template_dirs(args.templates)
     if args.pinned is not None:
         paths += [pinned_template(n) for n in args.pinned] if args.pinned else pinned_templates()
     sargs = [*args.server_arg, *server_args]
@@ -486,20 +523,37 @@ def _load_many(
             name, i = f"{path.name}#{i}", i + 1
         return name
 
+    def load(path: Path, make: Any) -> None:
+        name = name_for(path)
+        if failures is None:
+            out[name] = make()
+            return
+        try:
+            out[name] = make()
+        except (Error, OSError, ValueError) as e:  # llama-server would not start with this template
+            message = e.message if isinstance(e, Error) else str(e)
+            failures[name] = {"path": str(path), "error": {"type": type(e).__name__, "message": message}}
+            print(f"llamaprompt: {path}: {type(e).__name__}: {message} (skipped)", file=sys.stderr)
+
     for path in paths:
-        out[name_for(path)] = factory.from_file(
+        load(
             path,
-            bos_token=args.bos_token,
-            eos_token=args.eos_token,
-            add_bos=args.add_bos,
-            add_eos=args.add_eos,
-            media_marker=args.media_marker,
-            server_args=sargs,
-            **extra,
+            lambda path=path: factory.from_file(
+                path,
+                bos_token=args.bos_token,
+                eos_token=args.eos_token,
+                add_bos=args.add_bos,
+                add_eos=args.add_eos,
+                media_marker=args.media_marker,
+                server_args=sargs,
+                **extra,
+            ),
         )
     for path in map(Path, args.gguf):
-        out[name_for(path)] = factory.from_gguf(path, media_marker=args.media_marker, server_args=sargs, **extra)
-    if not out:
+        load(
+            path, lambda path=path: factory.from_gguf(path, media_marker=args.media_marker, server_args=sargs, **extra)
+        )
+    if not out and not failures:
         raise UsageError("no templates: give --template, --templates DIR, --gguf or --pinned")
     return out
 
@@ -688,7 +742,9 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
         elif args.command == "normalize":
             data = _read_json(args.messages)
             if isinstance(data, dict):
-                _print_json(template.normalize(data.get("messages", []), tools=data.get("tools")))
+                if "messages" not in data:  # llama.cpp's own refusal ('messages' is required), as from Python
+                    template.apply_template(data)
+                _print_json(template.normalize(data["messages"], tools=data.get("tools")))
             else:
                 _print_json(template.normalize(data))
     except Error as e:
@@ -743,13 +799,7 @@ def _diff_versions(args: argparse.Namespace, server_args: list[str]) -> int:
     from . import versions
 
     paths = [str(p) for p in args.template]
-    if args.templates:
-        if not Path(args.templates).is_dir():
-            raise UsageError(f"--templates {args.templates}: not a directory")
-        found = [str(p) for p in sorted(Path(args.templates).glob("*.jinja"))]
-        if not found:
-            raise UsageError(f"--templates {args.templates}: no *.jinja files")
-        paths += found
+    paths += [str(p) for p in _template_dirs(args.templates)]
     if args.pinned is not None:
         paths += [str(pinned_template(n)) for n in args.pinned] if args.pinned else [str(p) for p in pinned_templates()]
     if not paths and not args.gguf and not args.templates:
@@ -800,8 +850,7 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
     paths = [Path(p) for p in args.template]
-    if args.templates:
-        paths += sorted(Path(args.templates).glob("*.jinja"))
+    paths += _template_dirs(args.templates)
     if args.pinned:
         paths += [pinned_template(n) for n in args.pinned]
     if not paths:
@@ -844,18 +893,29 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
     from . import fixtures as fx
 
     if args.command == "fixtures":
-        templates = _load_many(args, server_args)
         requests = None if args.requests is None else _read_json(args.requests)
         if requests is not None and not isinstance(requests, dict):
             raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
+        failures: dict[str, Any] = {}
+        templates = _load_many(args, server_args, failures=failures)
         doc = fx.render_fixtures(templates, requests, progress=False if args.no_progress else None)
+        if failures:
+            doc["load_errors"] = failures
         fx.write_fixtures(doc, args.output)
         n = sum(len(t["cases"]) for t in doc["templates"].values())
         print(
-            f"llamaprompt: wrote {len(doc['templates'])} templates x {len(doc['requests'])} requests "
+            f"llamaprompt: loaded {len(templates)} of {len(templates) + len(failures)} templates "
+            f"({_loaded_from(args)}); wrote {len(doc['templates'])} templates x {len(doc['requests'])} requests "
             f"({n} cases) to {args.output}",
             file=sys.stderr,
         )
+        if failures:
+            print(
+                f"llamaprompt: {len(failures)} templates did not load (listed under 'load_errors'): "
+                + ", ".join(f["path"] for f in failures.values()),
+                file=sys.stderr,
+            )
+            return 1
         return 0
     if args.command == "check":
         doc = fx.load_fixtures(args.fixtures)

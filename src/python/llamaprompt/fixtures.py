@@ -328,7 +328,8 @@ def diff_fixtures(
     ``templates_total``, and per template (of the reference) the cases compared and
     agreeing, caps side by side when OTHER has them, and each difference with the first
     differing character offset and a context window from both sides. Cases OTHER lacks are
-    listed as ``missing``.
+    listed as ``missing``; templates and cases OTHER has but the reference lacks (not
+    compared) as ``only_in_other`` (report level: template names; per template: request names).
     """
     other_cases, other_caps = _other_cases(other)
     report: dict[str, Any] = {"templates": {}}
@@ -349,6 +350,9 @@ def diff_fixtures(
                 if other_caps[tname].get(k) != v
             }
             t["caps"] = {"reference": entry["caps"], "other": other_caps[tname], "differ": caps_diff}
+        extra = [r for r in mine if r not in entry["cases"]]
+        if extra:
+            t["only_in_other"] = extra
         for rname, ref_case in entry["cases"].items():
             if rname not in mine:
                 t["missing"].append(rname)
@@ -392,6 +396,7 @@ def diff_fixtures(
         if t["compared"] and t["agree"] == t["compared"] and not t.get("caps", {}).get("differ"):
             agree_templates += 1
         report["templates"][tname] = t
+    report["only_in_other"] = [name for name in other_cases if name not in reference["templates"]]
     report["templates_agree"] = agree_templates
     report["templates_total"] = len(reference["templates"])
     report["templates_compared"] = compared_templates
@@ -430,8 +435,10 @@ def diff_markdown(report: Mapping[str, Any]) -> str:
             )
         )
         lines.append(f"| {tname} | {t['agree']} of {t['compared']} | {caps_cell} |")
+    if report.get("only_in_other"):
+        lines += ["", f"Not compared, in OTHER only (no reference): {', '.join(report['only_in_other'])}"]
     for tname, t in report["templates"].items():
-        if not t.get("differences") and not t.get("missing"):
+        if not t.get("differences") and not t.get("missing") and not t.get("only_in_other"):
             continue
         lines += ["", f"### {tname}"]
         for d in t["differences"]:
@@ -448,4 +455,6 @@ def diff_markdown(report: Mapping[str, Any]) -> str:
                 lines.append(f"  - other:     {_md_code(d['other'])}")
         if t.get("missing"):
             lines.append(f"- missing in OTHER: {', '.join(t['missing'])}")
+        if t.get("only_in_other"):
+            lines.append(f"- in OTHER only (not in the reference, not compared): {', '.join(t['only_in_other'])}")
     return "\n".join(lines) + "\n"
