@@ -538,16 +538,7 @@ def _load_many(
     for path in paths:
         load(
             path,
-            lambda path=path: factory.from_file(
-                path,
-                bos_token=args.bos_token,
-                eos_token=args.eos_token,
-                add_bos=args.add_bos,
-                add_eos=args.add_eos,
-                media_marker=args.media_marker,
-                server_args=sargs,
-                **extra,
-            ),
+            lambda path=path: factory.from_file(path, **_file_tokens(args), server_args=sargs, **extra),
         )
     for path in map(Path, args.gguf):
         load(
@@ -589,6 +580,17 @@ def _read_json(path: str) -> Any:
         raise RequestError(f"{path}: not valid JSON: {e}") from None
 
 
+def _file_tokens(args: argparse.Namespace) -> dict[str, Any]:
+    """The BOS/EOS text, add_bos/add_eos and media marker options of a template file."""
+    return {
+        "bos_token": args.bos_token,
+        "eos_token": args.eos_token,
+        "add_bos": args.add_bos,
+        "add_eos": args.add_eos,
+        "media_marker": args.media_marker,
+    }
+
+
 def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
     caps = None
     if args.caps:
@@ -604,11 +606,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
             raise UsageError("--builtin cannot be combined with --template or --gguf")
         return ChatTemplate.builtin(
             args.builtin,
-            bos_token=args.bos_token,
-            eos_token=args.eos_token,
-            add_bos=args.add_bos,
-            add_eos=args.add_eos,
-            media_marker=args.media_marker,
+            **_file_tokens(args),
             server_args=[*args.server_arg, *server_args],
             **common,
         )
@@ -631,11 +629,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
     path = args.template or pinned_template(DEFAULT_TEMPLATE)
     return ChatTemplate.from_file(
         path,
-        bos_token=args.bos_token,
-        eos_token=args.eos_token,
-        add_bos=args.add_bos,
-        add_eos=args.add_eos,
-        media_marker=args.media_marker,
+        **_file_tokens(args),
         server_args=[*args.server_arg, *server_args],
         **common,
     )

@@ -67,6 +67,18 @@ def _resolve(options: Options | dict[str, Any]) -> tuple[Any, Options]:
     return lib, Options.make(lib.CAPS_KEYS, **options)
 
 
+def _core_options(opts: Options) -> tuple[Any, ...]:
+    """The options part of ``_core.Template``'s arguments (after the template and server args)."""
+    return (
+        utf8(opts.media_marker),
+        opts.fetch_remote_media,
+        opts.caps,
+        opts.handler == "autoparser",
+        opts.fast_path,
+        *opts.core_limits(),
+    )
+
+
 def _before(request: Request, hooks: list[Any]) -> Request:
     if isinstance(request, (str, bytes)):
         try:
@@ -206,7 +218,6 @@ class ChatTemplate:
     def _load_source(self, source: str | bytes, tokens: tuple[str, str, bool, bool], options: Any) -> None:
         lib, opts = _resolve(options)
         bos, eos, add_bos, add_eos = tokens
-        limits = opts.core_limits()
         self._setup(
             lib,
             opts,
@@ -221,12 +232,7 @@ class ChatTemplate:
                 add_bos,
                 add_eos,
                 opts.core_server_args(),
-                utf8(opts.media_marker),
-                opts.fetch_remote_media,
-                opts.caps,
-                opts.handler == "autoparser",
-                opts.fast_path,
-                *limits,
+                *_core_options(opts),
             ),
         )
 
@@ -300,7 +306,6 @@ class ChatTemplate:
         if chat_template is not None and not override:
             raise ValueError("chat_template is empty")
         model = lib.Model(path)
-        limits = opts.core_limits()
         self._setup(
             lib,
             opts,
@@ -312,12 +317,7 @@ class ChatTemplate:
                 model,
                 override,
                 opts.core_server_args(),
-                utf8(opts.media_marker),
-                opts.fetch_remote_media,
-                opts.caps,
-                opts.handler == "autoparser",
-                opts.fast_path,
-                *limits,
+                *_core_options(opts),
             ),
         )
         props = self._core.props()
