@@ -359,3 +359,19 @@ def test_render_dataset_ray_cli_quiet_and_equal(tmp_path):
     got = sorted(zip(table.column("messages").to_pylist(), as_pairs(table)), key=str)
     expected = sorted(zip(data.as_arrow_table(rows).column("messages").to_pylist(), want), key=str)
     assert got == expected
+
+
+def test_bad_kwargs_and_tokens_options_fail_at_once():
+    t = llamaprompt.ChatTemplate.from_file(template_path(TEMPLATES[0]))
+    rows = [{"messages": [{"role": "user", "content": "Hi"}], "kw": {"enable_thinking": False}}]
+    assert data.render_table(t, rows, kwargs="kw").column("prompt").to_pylist() == [
+        t.apply_template({"messages": rows[0]["messages"], "chat_template_kwargs": {"enable_thinking": False}})
+    ]
+    with pytest.raises(KeyError, match="kwz"):  # a typo once dropped the kwargs of every row
+        data.render_table(t, rows, kwargs="kwz")
+    with pytest.raises(TypeError, match="kwargs must be"):
+        data.render_table(t, rows, kwargs=["kw"])
+    from llamaprompt.ray import render_dataset
+
+    with pytest.raises(TypeError, match="GGUF"):  # before Ray starts, not inside an actor
+        render_dataset(object(), t, tokens=True)

@@ -115,6 +115,19 @@ def test_transformers_argument_rules(qwen3):
         llamaprompt.apply_chat_template(qwen3, messages, tokenize=True)
     with pytest.raises(TypeError, match="ChatTemplate"):
         llamaprompt.apply_chat_template("{{ x }}", messages)
+    # transformers' rules that llama-server would not enforce: the user's text is not continued
+    with pytest.raises(ValueError, match="final message is 'user'"):
+        llamaprompt.apply_chat_template(qwen3, messages[:1], continue_final_message=True)
+    for bad in ("bogus", "true", 1):
+        with pytest.raises(ValueError, match="continue_final_message must be"):
+            llamaprompt.apply_chat_template(qwen3, messages, continue_final_message=bad)
+    with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
+        llamaprompt.apply_chat_template(qwen3, messages, add_generation_prompt="false")
+    with pytest.raises(TypeError, match="tools must be a list"):
+        llamaprompt.apply_chat_template(qwen3, messages, tools={"type": "function"})
+    assert llamaprompt.apply_chat_template(qwen3, messages[:1], add_generation_prompt=np.bool_(False)).endswith(
+        "Hi<|im_end|>\n"
+    )
     # documents travel as the template variable of that name
     t = llamaprompt.ChatTemplate("{% for d in documents %}[{{ d.title }}]{% endfor %}{{ messages[0].content }}")
     assert llamaprompt.apply_chat_template(t, messages[:1], documents=[{"title": "A"}, {"title": "B"}]) == "[A][B]Hi"
@@ -184,9 +197,18 @@ def test_one_render_for_prompt_and_tokens(monkeypatch):
 def test_a_path_is_not_a_template(tmp_path):
     f = tmp_path / "Qwen3.jinja"
     f.write_text("{{ messages[0].content }}")
-    for source in (str(f), str(tmp_path / "missing.jinja")):
+    for source in (str(f), str(tmp_path / "missing.jinja"), str(f) + "\n", str(tmp_path), "chat_template.json"):
         with pytest.raises(ValueError, match=r"from_file"):
             llamaprompt.ChatTemplate(source)
+    with pytest.raises(ValueError, match=r"builtin\('llama3'\)"):
+        llamaprompt.ChatTemplate("llama3")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(ValueError, match="from_gguf"):
+        llamaprompt.ChatTemplate.from_file(gguf)
+    for text in ("Say hi to file.jinja", "see https://example.com/t.jinja"):
+        assert llamaprompt.ChatTemplate(text).source == text
+    assert "<|im_start|>" in llamaprompt.ChatTemplate("chatml").source  # llama.cpp's own name for chatml
     with pytest.raises(TypeError, match=r"from_file"):
         llamaprompt.ChatTemplate(f)
     assert llamaprompt.ChatTemplate.from_file(f).apply_template({"messages": [{"role": "user", "content": "x"}]}) == "x"
@@ -273,3 +295,10 @@ def test_the_documented_differences_hold_for_transformers():
     qwen = "Qwen-Qwen3-0.6B.jinja"
     assert hf(qwen, turns, add_generation_prompt=False).endswith("Hello!<|im_end|>\n")
     assert hf(qwen, turns, add_generation_prompt=False, continue_final_message=True).endswith("Hello!")
+    r1 = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+    assert hf(r1, turns, add_generation_prompt=False, continue_final_message=True).endswith("<｜Assistant｜>Hello!")
+    oss = "openai-gpt-oss-120b.jinja"
+    assert hf(oss, turns, add_generation_prompt=False).endswith("<|message|>Hello!<|return|>")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]}]
+    with pytest.raises(Exception, match="list object"):  # Qwen3 rejects a list where llama.cpp joins the text
+        hf(qwen, parts)

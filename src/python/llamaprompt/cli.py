@@ -228,8 +228,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "render-dataset",
         help="render a conversation dataset (JSONL or Parquet) into Parquet, streaming",
-        description="Render every row of IN (.jsonl: one request-like object per line with 'messages' and "
-        "optional 'tools'/'chat_template_kwargs'; .parquet: a 'messages' column and optional 'tools' / "
+        description="Render every row of IN (.jsonl: one object per line, of which 'messages' and the optional "
+        "'tools' and 'chat_template_kwargs' are read -- other keys are kept in the 'record' column but not sent; "
+        ".parquet: a 'messages' column and optional 'tools' / "
         "'chat_template_kwargs' columns) with llama.cpp's code into OUT.parquet: the input columns plus "
         "'prompt', 'error' (llama.cpp's message for a row that fails) and, with --tokens, 'tokens'. Streams "
         "in batches, so memory stays bounded.",

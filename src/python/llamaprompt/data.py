@@ -157,16 +157,26 @@ def _render_one(template: ChatTemplate, body: Any, tokens: bool) -> tuple[str | 
         return None, getattr(e, "message", None) or str(e) or type(e).__name__, None
 
 
+class OptionalColumn(str):
+    """A column name that may be absent from a table (then: no value for any row)."""
+
+
 def _bodies(table, messages: str, tools: str | None, kwargs: Any, add_generation_prompt: bool | None) -> list[Any]:
     cols = table.column_names
     if messages not in cols:
         raise KeyError(f"no column {messages!r} (columns: {', '.join(cols)})")
     msgs = table.column(messages).to_pylist()
     tls = table.column(tools).to_pylist() if tools and tools in cols else [None] * len(msgs)
-    if isinstance(kwargs, str):  # a column name (a missing column means no kwargs)
+    if isinstance(kwargs, OptionalColumn):  # render_file's: absent from some inputs
         kws = table.column(kwargs).to_pylist() if kwargs in cols else [None] * len(msgs)
-    else:
+    elif isinstance(kwargs, str):  # a column name: a typo must not silently drop the kwargs
+        if kwargs not in cols:
+            raise KeyError(f"no kwargs column {kwargs!r} (columns: {', '.join(cols)})")
+        kws = table.column(kwargs).to_pylist()
+    elif kwargs is None or isinstance(kwargs, Mapping):
         kws = [kwargs] * len(msgs)
+    else:
+        raise TypeError(f"kwargs must be a dict, a column name or None, not {type(kwargs).__name__}")
     out: list[Any] = []
     for m, t, k in zip(msgs, tls, kws):
         try:
@@ -216,7 +226,7 @@ def render_table(
         messages: column of messages (list of message structs, or JSON text).
         tools: column of tools lists (optional; missing column -> no tools).
         kwargs: ``chat_template_kwargs`` for every row (a dict), or the name of a column
-            (dicts or JSON text; a missing column means none).
+            (dicts or JSON text; KeyError when the table has no such column).
         tokens: add a ``tokens`` column (list<int32>): the prompt tokenized as llama-server
             feeds it to the model (``add_special=True``).
         threads: render with this many threads (default: one).
@@ -380,7 +390,7 @@ def render_file(
     import pyarrow.parquet as pq
 
     src, dst = os.fspath(src), os.fspath(dst)
-    kwargs_col = "chat_template_kwargs"
+    kwargs_col = OptionalColumn("chat_template_kwargs")  # a Parquet input may not have it
     options: dict[str, Any] = {"tokens": tokens, "kwargs": kwargs_col, "training": training}
     fn = RenderBatch(template, **options)
     show = sys.stderr.isatty() if progress is None else progress

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .template import ChatTemplate
 
 __all__ = ["apply_chat_template", "chat_request"]
@@ -59,14 +61,22 @@ def chat_request(
     continue_final_message: bool | str = False,
     **template_kwargs: Any,
 ) -> dict[str, Any]:
-    """The llama-server request body that means what this ``apply_chat_template`` call means:
-    ``messages``, ``tools`` (Python functions converted by transformers' ``get_json_schema``),
+    """The llama-server request body for this ``apply_chat_template`` call: ``messages``,
+    ``tools`` (Python functions converted by transformers' ``get_json_schema``),
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (the
     ``template_kwargs``, plus ``documents``): llama-server passes chat_template_kwargs to the
     template as variables, as transformers passes its keyword arguments.
 
+    One thing a body cannot say: a final assistant message as a *closed* turn (transformers'
+    meaning without ``continue_final_message``). llama-server renders it closed only when
+    started with ``--no-prefill-assistant``; with its default it is an open prefill.
+    :func:`apply_chat_template` uses such a template for those conversations.
+
     Raises ValueError for ``continue_final_message`` with ``add_generation_prompt=True`` (as
-    transformers), TypeError for transformers' tokenizer-only arguments (padding, return_tensors ...).
+    transformers), for a ``continue_final_message`` other than True/False/"content"/
+    "reasoning_content", or when the final message to continue is not an assistant message;
+    TypeError for transformers' tokenizer-only arguments (padding, return_tensors ...), for
+    ``tools`` that is not a list and for a non-boolean ``add_generation_prompt``.
     """
     for name in _TOKENIZER_ONLY:
         if name in template_kwargs:
@@ -76,6 +86,27 @@ def chat_request(
             )
     if isinstance(conversation, Mapping):
         raise TypeError("conversation must be a list of messages (or of conversations), not one mapping")
+    if add_generation_prompt is not None:
+        if not isinstance(add_generation_prompt, (bool, np.bool_)):
+            raise TypeError(f"add_generation_prompt must be a bool, not {type(add_generation_prompt).__name__}")
+        add_generation_prompt = bool(add_generation_prompt)
+    if isinstance(continue_final_message, np.bool_):
+        continue_final_message = bool(continue_final_message)
+    if not (isinstance(continue_final_message, bool) or continue_final_message in ("content", "reasoning_content")):
+        raise ValueError(
+            f"continue_final_message must be True, False, 'content' or 'reasoning_content' (llama-server's values), "
+            f"not {continue_final_message!r}"
+        )
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise TypeError(f"tools must be a list of tools, not {type(tools).__name__}")
+    if continue_final_message:
+        last = conversation[-1] if conversation else None
+        role = last.get("role") if isinstance(last, Mapping) else None
+        if role != "assistant":
+            raise ValueError(
+                f"continue_final_message continues the final assistant message; the final message is {role!r} "
+                "(llama-server would render its text as the start of an assistant reply)"
+            )
     if continue_final_message and add_generation_prompt:
         raise ValueError(
             "continue_final_message and add_generation_prompt are not compatible: continue_final_message "

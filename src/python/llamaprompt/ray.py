@@ -43,12 +43,15 @@ def render_dataset(
         template: the ChatTemplate (picklable: rebuilt from its source or GGUF path).
         workers: actor pool size (default: the cluster's CPUs minus one, at least one).
         batch_size: rows per batch.
-        options: as :func:`llamaprompt.data.render_table` (messages, tools, kwargs, tokens, threads).
+        options: as :func:`llamaprompt.data.render_table` (messages, tools, kwargs, tokens, threads,
+            training).
 
     Returns the lazily rendered ``ray.data.Dataset`` (input columns + prompt, error[, tokens]).
-    Raises ValueError for ``workers`` < 1. Ray's progress bars follow
+    Raises ValueError for ``workers`` < 1, TypeError for ``tokens=True`` without a GGUF file. Ray's progress bars follow
     ``ray.data.DataContext.get_current().enable_progress_bars``.
     """
+    if options.get("tokens") and template.gguf_path is None:  # here, not later inside an actor
+        raise TypeError("tokens=True needs a GGUF-backed template (ChatTemplate.from_gguf)")
     import ray
     import ray.data
 

@@ -40,22 +40,28 @@ class PromptTokens(NamedTuple):
 
 
 def _looks_like_path(source: str) -> str | None:
-    """Why ``source`` (a template text) is probably a file path, or None."""
-    if len(source) > 4096 or "\n" in source or "{" in source:
+    """Why ``source`` (a template text given as str) is probably a file path or a built-in
+    template's name (and what to call instead), or None. Bytes are taken as a file's contents."""
+    text = source.strip()
+    if not text or len(text) > 4096 or "\n" in text or "{" in text:
         return None
+    from .legacy import builtin_template_names
+
+    if text in builtin_template_names() and text != "chatml":  # llama.cpp itself maps "chatml" to chatml
+        return (
+            f"{text!r} is the name of a built-in template, not a Jinja template; use "
+            f"ChatTemplate.builtin({text!r}) (llama-server --no-jinja --chat-template {text})"
+        )
     try:
-        if os.path.isfile(source):
-            return f"{source!r} is the path of an existing file, not a template"
+        if os.path.isdir(text):
+            return f"{text!r} is a directory, not a template; use ChatTemplate.from_file(path) to load a file"
+        if os.path.isfile(text):
+            return f"{text!r} is the path of an existing file, not a template; use ChatTemplate.from_file(path)"
     except (OSError, ValueError):
         return None
-    if source.endswith((".jinja", ".j2", ".gguf")):
-        return f"{source!r} looks like a file path (no such file), not a template"
+    if " " not in text and "://" not in text and text.endswith((".jinja", ".j2", ".gguf", ".json", ".txt")):
+        return f"{text!r} looks like a file path (no such file), not a template; use ChatTemplate.from_file(path)"
     return None
-
-
-#: The chat_template_caps keys of the in-process core's llama.cpp tree
-#: (jinja::caps::to_map(); 9 keys on the pin, 8 on trees without supports_reasoning_effort)
-_CAPS_KEYS = tuple(_core.CAPS_KEYS)
 
 
 def _resolve(options: Options | dict[str, Any]) -> tuple[Any, Options]:
@@ -208,7 +214,7 @@ class ChatTemplate:
             raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
         named = "--no-jinja" in server_args  # builtin(): the source is a built-in template's name
         if isinstance(source, str) and not named and (why := _looks_like_path(source)):
-            raise ValueError(f"{why}: source is the template text; use ChatTemplate.from_file(path) to load a file")
+            raise ValueError(f"{why} (source is the template text itself)")
         for name, value in (("bos_token", bos_token), ("eos_token", eos_token)):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, not {type(value).__name__}")
@@ -358,6 +364,8 @@ class ChatTemplate:
         path = fspath(path)
         with open(path, "rb") as f:
             data = f.read()
+        if data[:4] == b"GGUF":
+            raise ValueError(f"{path} is a GGUF model file: use ChatTemplate.from_gguf(path)")
         self = cls(data, **options)
         self._notices.name = path
         return self
