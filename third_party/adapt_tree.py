@@ -118,12 +118,25 @@ def probe_features(tree: Tree) -> dict[str, dict]:
         "e.g. filter_statement moves its filter: renders of one template are then serialized)")
     add("vocab_test_tokenizer", tree.contains("src/llama-vocab.cpp", 'tokenizer_model == "test"'),
         "src/llama-vocab.cpp: the 'test' tokenizer")
+    add("template_inputs", all(tree.contains("common/chat.cpp", t) for t in TEMPLATE_INPUTS_SITES)
+        and tree.search("common/jinja/value.h", r"std::string\s+value_to_json\s*\(\s*const\s+value\s*&"),
+        "common/chat.cpp: common_chat_template_direct_apply_impl sets the Jinja context (global_from_json) and "
+        "renders it; common/jinja/value.h: value_to_json (the capture points of ChatTemplate.template_inputs)")
     return f
+
+
+# where common_chat_template_direct_apply_impl hands its context to the Jinja engine, and
+# where it has the render's output (before BOS/EOS stripping)
+TEMPLATE_INPUTS_SITES = (
+    "jinja::global_from_json(ctx, inp, inputs.mark_input);",
+    "std::string result = parts->as_string().str();",
+)
 
 
 # features whose absence means llamaprompt gives less on this tree (the others only say which
 # shape of an upstream interface the bindings compile for)
-LOSSES = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "const_execution"]
+LOSSES = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "const_execution",
+          "template_inputs"]
 
 
 # ---------------------------------------------------------------------------
@@ -161,6 +174,15 @@ REWRITES = [
         Edit("autoparser::peg_generator::generate_parser(tmpl, params, autoparser)",
              "llamaprompt_generate_parser(tmpl, params, autoparser)"),
         Edit("arena.load(auto_params.parser)", "llamaprompt_load_parser(arena, auto_params.parser)"),
+        # ChatTemplate.template_inputs: the context and output of each render (src/cpp/shim_chat.cpp)
+        Edit(TEMPLATE_INPUTS_SITES[0],
+             TEMPLATE_INPUTS_SITES[0] + " llamaprompt_capture_inputs(tmpl, ctx, inp, inputs.mark_input);",
+             requires=("common/chat.cpp", "common_chat_template_direct_apply_impl("),
+             lost="ChatTemplate.template_inputs and render_inputs (FeatureError)"),
+        Edit(TEMPLATE_INPUTS_SITES[1],
+             "std::string result = llamaprompt_capture_output(parts->as_string().str());",
+             requires=("common/chat.cpp", "common_chat_template_direct_apply_impl("),
+             lost="ChatTemplate.template_inputs and render_inputs (FeatureError)"),
     ]),
     # execution budgets of the Jinja engine (src/cpp/jinja_guard.h)
     Rewrite("common/jinja/runtime.cpp", "jinja-runtime.cpp", [

@@ -30,6 +30,15 @@ std::shared_ptr<analysis_cache> make_analysis_cache();
 struct parser_memo;
 std::shared_ptr<parser_memo> make_parser_memo();
 
+// One execution of the template by common_chat_template_direct_apply_impl.
+struct captured_render {
+    const common_chat_template * tmpl = nullptr;  // which template (default or tool_use variant)
+    std::string context;                          // the context object, as JSON text
+    bool mark_input = true;                       // global_from_json's mark_input argument
+    std::string output;                           // the render (before BOS/EOS stripping)
+    bool has_output = false;
+};
+
 struct handler_state {
     bool skip_specialized = false;  // in: take the differential autoparser path
     bool specialized_used = false;  // out: a specialized handler produced the params
@@ -42,6 +51,11 @@ struct handler_state {
     bool prompt_only_used = false;  // out: the prompt-only path was taken
     // in (benchmarks): called with the template and generation_params the autoparser path renders
     std::function<void(const common_chat_template &, const autoparser::generation_params &)> on_generate;
+    // in (template_inputs): each render of this request -- its Jinja context, as
+    // common_chat_template_direct_apply_impl hands it to jinja::global_from_json, and its
+    // output -- is appended here (not the template analysis' probe renders)
+    std::vector<captured_render> * renders = nullptr;
+    bool in_analysis = false;  // while autoparser::analyze_template runs
 };
 class scoped_handler {
   public:
@@ -59,6 +73,12 @@ class scoped_handler {
 // messages_inp_normalizer and the caps-driven workarounds). Keys are jinja::caps::to_map()'s;
 // an unknown key throws std::invalid_argument.
 void templates_set_caps(common_chat_templates * tmpls, const std::map<std::string, bool> & caps);
+
+// llama.cpp's engine on a given context (ChatTemplate.render_inputs): the context handed to
+// common_chat_template_direct_apply_impl as overrides, so that the object it builds is this one
+// (key order included) and everything it does besides (caps_apply_*) is upstream's. No BOS/EOS
+// stripping. Throws what the render throws.
+std::string render_context(const common_chat_template & tmpl, const json & context, bool mark_input);
 
 // The chat_template_caps keys of this tree, as jinja::caps::to_map() names them (GET /props).
 std::vector<std::string> caps_keys();

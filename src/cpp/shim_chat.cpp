@@ -62,8 +62,87 @@ static std::string analysis_key(const common_chat_template & tmpl) {
 
 }  // namespace llamaprompt
 
+// jinja::context keeps its variables in a private member (its only dump, print_vars, goes to
+// stdout). Reading it without changing upstream's header: a pointer to the member formed in an
+// explicit template instantiation, where access is not checked ([temp.spec.general]/6).
+namespace llamaprompt {
+struct context_env_tag {
+    using type = jinja::value_object jinja::context::*;
+    friend type context_env_member(context_env_tag);
+};
+template <typename Tag, typename Tag::type Member> struct expose_member {
+    friend typename Tag::type context_env_member(Tag) { return Member; }
+};
+template struct expose_member<context_env_tag, &jinja::context::env>;
+}  // namespace llamaprompt
+
+// inserted after common_chat_template_direct_apply_impl's jinja::global_from_json(ctx, inp, ...):
+// the engine's variables at that point -- `inp` and what caps_apply_* set before it -- as a
+// JSON object in the context's own order (value_to_json, the engine's own conversion), without
+// the constants every jinja::context starts with
+template <class Json>
+static void llamaprompt_capture_inputs(const common_chat_template & tmpl, jinja::context & ctx, const Json & inp,
+                                       bool mark_input) {
+    using namespace llamaprompt;
+    handler_state * st = current_handler;
+    if (!st || !st->renders || st->in_analysis) {
+        return;
+    }
+    captured_render r;
+    r.tmpl = &tmpl;
+    r.mark_input = mark_input;
+    try {
+        std::string text = "{";
+        bool first = true;
+        const jinja::value_object & env = ctx.*context_env_member(context_env_tag{});
+        for (const auto & [key, val] : env->as_ordered_object()) {
+            const std::string name = key->as_string().str();
+            if (name == "true" || name == "True" || name == "false" || name == "False" || name == "none" ||
+                name == "None") {
+                continue;  // jinja::context's constructor's constants
+            }
+            text += first ? "" : ", ";
+            first = false;
+            text += Json(name).dump() + ": " + jinja::value_to_json(val);
+        }
+        text += "}";
+        r.context = dump_safe(Json::parse(text));
+    } catch (const std::exception &) {
+        r.context = dump_safe(inp);  // not representable as JSON text: the object it was set from
+    }
+    st->renders->push_back(std::move(r));
+}
+
+// wraps the same function's `parts->as_string().str()`: the output of the render just captured
+static std::string llamaprompt_capture_output(std::string output) {
+    using namespace llamaprompt;
+    handler_state * st = current_handler;
+    if (st && st->renders && !st->in_analysis && !st->renders->empty() && !st->renders->back().has_output) {
+        st->renders->back().output = output;
+        st->renders->back().has_output = true;
+    }
+    return output;
+}
+
+// the template analysis renders probe inputs: not this request's renders
+struct llamaprompt_analysis_scope {
+    llamaprompt::handler_state * st;
+    bool prev;
+    explicit llamaprompt_analysis_scope(llamaprompt::handler_state * s) : st(s), prev(s ? s->in_analysis : false) {
+        if (st) {
+            st->in_analysis = true;
+        }
+    }
+    ~llamaprompt_analysis_scope() {
+        if (st) {
+            st->in_analysis = prev;
+        }
+    }
+};
+
 static void llamaprompt_analyze_template(autoparser::autoparser & ap, const common_chat_template & tmpl) {
     using namespace llamaprompt;
+    llamaprompt_analysis_scope analysis(current_handler);
     analysis_cache * cache = current_handler ? current_handler->cache : nullptr;
     if (!cache) {
         ap.analyze_template(tmpl);
@@ -240,6 +319,43 @@ const common_chat_template & templates_pick(const common_chat_templates * tmpls,
 
 json render_messages(const std::vector<common_chat_msg> & msgs, const common_chat_template & tmpl) {
     return render_message_to_json(msgs, tmpl.original_caps());
+}
+
+std::string render_context(const common_chat_template & tmpl, const json & context, bool mark_input) {
+#if !LP_HAS_TEMPLATE_INPUTS
+    (void) tmpl;
+    (void) context;
+    (void) mark_input;
+    throw std::runtime_error("this llama.cpp tree has no common_chat_template_direct_apply_impl to render a context");
+#else
+    if (!context.is_object()) {
+        throw std::invalid_argument("the template context must be a JSON object");
+    }
+    // common_chat_template_direct_apply_impl builds {messages, bos_token, eos_token, enable_thinking,
+    // [tools], [extra context...], [add_generation_prompt]}: give it the parts so that it builds
+    // exactly `context` (the additional context, applied last, puts back every other key in order)
+    autoparser::generation_params params;
+    params.enable_thinking = context.contains("enable_thinking") && context.at("enable_thinking").is_boolean()
+                                 ? context.at("enable_thinking").get<bool>()
+                                 : params.enable_thinking;
+    params.add_generation_prompt = false;  // the context's own add_generation_prompt, if any, is kept below
+    params.add_bos = false;
+    params.add_eos = false;
+    params.mark_input = mark_input;
+    std::optional<json> messages = context.contains("messages") ? std::optional<json>(context.at("messages"))
+                                                                : std::optional<json>(json::array());
+    std::optional<json> tools;
+    if (context.contains("tools")) {
+        tools = context.at("tools");
+    }
+    json rest = json::object();
+    for (const auto & [k, v] : context.items()) {
+        if (k != "messages" && k != "tools") {
+            rest[k] = v;
+        }
+    }
+    return common_chat_template_direct_apply_impl(tmpl, params, messages, tools, rest);
+#endif
 }
 
 }  // namespace llamaprompt

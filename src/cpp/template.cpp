@@ -365,6 +365,66 @@ class core_template {
         return result;
     }
 
+    // every render of the template this request makes (the same call as apply()): each one's Jinja
+    // context as common_chat_template_direct_apply_impl hands it to the engine, which template
+    // variant, and its output; plus the prompt. {"prompt", "renders": [{"context", "variant",
+    // "mark_input", "output"}]}
+    py::object template_inputs(const std::string & body_text, double timeout) const {
+        return with_log_capture([&]() {
+            struct out_t {
+                std::vector<captured_render> renders;
+                std::string prompt;
+            };
+            out_t out = call_upstream([&]() {
+                auto serial = serialize();
+                json body = parse_body(body_text, max_tools_);
+                handler_state st = handler_;
+                out_t o;
+                st.renders = &o.renders;
+                scoped_handler in_force(st);
+                apply_result res =
+                    budgeted(limits(timeout), [&]() { return apply_request(std::move(body), opt_, call_); });
+                o.prompt = res.llama_params.at("prompt").get<std::string>();
+                return o;
+            });
+            const common_chat_template * tool_use =
+                use_jinja_ ? &templates_pick(opt_.tmpls.get(), true) : nullptr;
+            const common_chat_template * dflt = use_jinja_ ? &templates_pick(opt_.tmpls.get(), false) : nullptr;
+            py::list renders;
+            for (const auto & r : out.renders) {
+                py::dict d;
+                d["context"] = json_text_to_py(r.context);
+                d["variant"] = r.tmpl == dflt ? "default" : r.tmpl == tool_use ? "tool_use" : "other";
+                d["mark_input"] = r.mark_input;
+                d["output"] = r.has_output ? text_to_py(r.output) : py::object(py::none());
+                renders.append(d);
+            }
+            py::dict result;
+            result["prompt"] = text_to_py(out.prompt);
+            result["renders"] = renders;
+            return result;
+        });
+    }
+
+    // llama.cpp's Jinja engine on a given context (no normalization, no handler, no BOS/EOS
+    // stripping): variant "default" or "tool_use"
+    py::object render_inputs(const std::string & context_text, const std::string & variant, bool mark_input,
+                             double timeout) const {
+        return with_log_capture([&]() {
+            return text_to_py(call_upstream([&]() {
+                if (!use_jinja_) {
+                    throw std::invalid_argument("render_inputs needs a Jinja template (this one is built-in)");
+                }
+                auto serial = serialize();
+                json context = parse_body(context_text, max_tools_);
+                const common_chat_template & tmpl = templates_pick(opt_.tmpls.get(), variant == "tool_use");
+                handler_state st = handler_;
+                scoped_handler in_force(st);
+                return budgeted(limits(timeout), [&]() { return render_context(tmpl, context, mark_input); });
+            }));
+        });
+    }
+
     // what the template receives as `messages` for this request's messages
     py::object normalize(const std::string & body_text) const {
         std::string out = call_upstream([&]() {
@@ -532,7 +592,10 @@ void register_template(py::module_ & m) {
              py::arg("timeout") = -1.0)
         .def("time_direct_apply", &core_template::time_direct_apply, py::arg("body"), py::arg("repeat"))
         .def("apply", &core_template::apply, py::arg("body"), py::arg("timeout") = -1.0)
-        .def("normalize", &core_template::normalize, py::arg("body"));
+        .def("normalize", &core_template::normalize, py::arg("body"))
+        .def("template_inputs", &core_template::template_inputs, py::arg("body"), py::arg("timeout") = -1.0)
+        .def("render_inputs", &core_template::render_inputs, py::arg("context"), py::arg("variant"),
+             py::arg("mark_input"), py::arg("timeout") = -1.0);
 }
 
 }  // namespace llamaprompt

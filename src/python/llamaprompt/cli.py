@@ -202,6 +202,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("messages", metavar="MESSAGES.json", help="messages file, or - for stdin")
 
     p = sub.add_parser(
+        "inputs",
+        help="print the context llama.cpp hands its Jinja engine for a request (every render)",
+        description="Run the request as POST /apply-template does and print, captured from llama.cpp's own "
+        "call, the Jinja context of every render of the template (messages after normalization, workarounds "
+        "and the handler's rewrites; tools; bos/eos; enable_thinking; extra context), which render the prompt "
+        "comes from, and the prompt: ChatTemplate.template_inputs as JSON.",
+    )
+    _template_options(p)
+    p.add_argument("request", nargs="?", default=None, metavar="REQUEST.json", help="request body, or - for stdin")
+    p.add_argument("--context-only", action="store_true", help="print only the prompt's render's context")
+
+    p = sub.add_parser(
+        "render-inputs",
+        help="render a given Jinja context with llama.cpp's engine (no preprocessing)",
+        description="Render CONTEXT.json (a JSON object of template variables, e.g. from 'llamaprompt inputs "
+        "--context-only') with llama.cpp's Jinja engine only: no normalization, no handler, no BOS/EOS "
+        "stripping (ChatTemplate.render_inputs). For 'is it my engine or my preprocessing?'.",
+    )
+    _template_options(p)
+    p.add_argument("context", metavar="CONTEXT.json", help="the template context, or - for stdin")
+    p.add_argument("--variant", choices=("default", "tool_use"), help="template variant (default: as llama.cpp picks)")
+
+    p = sub.add_parser(
         "tokenize",
         help="print token ids as POST /tokenize (GGUF vocab)",
         description="Tokenize text with a GGUF file's vocab, as llama-server's POST /tokenize.",
@@ -315,6 +338,11 @@ def _parser() -> argparse.ArgumentParser:
         help="JSON object name -> request body (default: the request set shipped with llamaprompt)",
     )
     p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="fixtures file to write")
+    p.add_argument(
+        "--with-inputs",
+        action="store_true",
+        help="store with each prompt the Jinja context llama.cpp rendered it from (template_inputs)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("check", help="re-render a fixtures file and report the cases that differ (exit 1)")
@@ -335,6 +363,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("markdown", "json"), default="markdown")
     p.add_argument("--mask-dates", action="store_true", help="compare with dates masked")
     p.add_argument("--context", type=int, default=30, metavar="N", help="characters of context (default 30)")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="list every differing span and find each difference's cause by experiment with llama.cpp's own "
+        "stages (leading BOS, dates, thinking default, message preprocessing, prefill, ...)",
+    )
+    p.add_argument("--llama-cpp", metavar="VERSION", help="the core --explain re-renders with (default: built-in)")
 
     p = sub.add_parser(
         "cores",
@@ -734,6 +769,16 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             _print_json(template.caps)
         elif args.command == "props":
             _print_json(template.props())
+        elif args.command == "inputs":
+            result = template.template_inputs(SAMPLE_REQUEST if args.request is None else _read_bytes(args.request))
+            _print_json(result["context"] if args.context_only else result)
+        elif args.command == "render-inputs":
+            context = _read_json(args.context)
+            if not isinstance(context, dict):
+                raise UsageError(f"{args.context}: must be a JSON object of template variables")
+            out = template.render_inputs(context, variant=args.variant)
+            sys.stdout.buffer.write(out.encode("utf-8", "surrogateescape"))
+            sys.stdout.flush()
         elif args.command == "normalize":
             data = _read_json(args.messages)
             if isinstance(data, dict):
@@ -893,7 +938,9 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
             raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
         failures: dict[str, Any] = {}
         templates = _load_many(args, server_args, failures=failures)
-        doc = fx.render_fixtures(templates, requests, progress=False if args.no_progress else None)
+        doc = fx.render_fixtures(
+            templates, requests, progress=False if args.no_progress else None, with_inputs=args.with_inputs
+        )
         if failures:
             doc["load_errors"] = failures
         fx.write_fixtures(doc, args.output)
@@ -935,7 +982,9 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         other = _read_json(args.other)
         if not isinstance(other, dict):
             raise UsageError(f"{args.other}: must be a JSON object")
-        report = fx.diff_fixtures(reference, other, context=args.context, mask=args.mask_dates)
+        report = fx.diff_fixtures(
+            reference, other, context=args.context, mask=args.mask_dates, explain=args.explain, llama_cpp=args.llama_cpp
+        )
         if args.format == "json":
             _print_json(report)
         else:

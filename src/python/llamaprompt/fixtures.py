@@ -85,15 +85,25 @@ def _progress(iterable: Iterable[Any], total: int, desc: str, enabled: bool | No
     return tqdm(iterable, total=total, desc=desc, unit="template", file=sys.stderr)
 
 
-def _case(template: ChatTemplate, request: Any) -> dict[str, Any]:
+def _case(template: ChatTemplate, request: Any, with_inputs: bool = False) -> dict[str, Any]:
     if not isinstance(request, (Mapping, str, bytes)):
         # a body that is not an object still goes to llama.cpp, which answers as llama-server
         request = json.dumps(request)
     try:
-        return {"status": 200, "prompt": template.apply_template(request)}
+        case: dict[str, Any] = {"status": 200, "prompt": template.apply_template(request)}
     except Error as e:
         err = e.to_json()["error"]
         return {"status": err["code"], "error": err}
+    if with_inputs:
+        inputs = template.template_inputs(request)
+        index = inputs["prompt_render"]
+        case["template_inputs"] = {
+            "context": inputs["context"],
+            "variant": None if index is None else inputs["renders"][index]["variant"],
+            "prompt_match": inputs["prompt_match"],
+            "renders": len(inputs["renders"]),
+        }
+    return case
 
 
 def _template_entry(template: ChatTemplate, kind: str, path: str | None) -> dict[str, Any]:
@@ -118,6 +128,7 @@ def render_fixtures(
     requests: Mapping[str, Any] | None = None,
     *,
     progress: bool | None = None,
+    with_inputs: bool = False,
 ) -> dict[str, Any]:
     """Render every template x request into a fixtures document (a dict; see docs/fixtures.md).
 
@@ -125,6 +136,9 @@ def render_fixtures(
         templates: name -> ChatTemplate (names become the keys under ``"templates"``).
         requests: name -> request body; default :func:`default_requests`.
         progress: show a progress bar on stderr (default: when stderr is a terminal).
+        with_inputs: store with each prompt the Jinja context of the render it comes from
+            (``template_inputs``: :meth:`ChatTemplate.template_inputs`), so that another renderer
+            can test its engine alone on llama.cpp's exact inputs.
     """
     items = list(templates.items()) if isinstance(templates, Mapping) else list(templates)
     reqs = dict(default_requests() if requests is None else requests)
@@ -147,7 +161,7 @@ def render_fixtures(
         entry = _template_entry(tmpl, "gguf" if tmpl.gguf_path else "file", tmpl.gguf_path)
         entry["media_marker"] = tmpl.media_marker
         entry["server_args"] = list(tmpl.server_args)
-        entry["cases"] = {rname: _case(tmpl, body) for rname, body in reqs.items()}
+        entry["cases"] = {rname: _case(tmpl, body, with_inputs) for rname, body in reqs.items()}
         doc["templates"][name] = entry
     return doc
 
@@ -320,7 +334,13 @@ def _window(s: str, at: int, width: int) -> str:
 
 
 def diff_fixtures(
-    reference: Mapping[str, Any], other: Mapping[str, Any], *, context: int = 30, mask: bool = False
+    reference: Mapping[str, Any],
+    other: Mapping[str, Any],
+    *,
+    context: int = 30,
+    mask: bool = False,
+    explain: bool = False,
+    llama_cpp: str | None = None,
 ) -> dict[str, Any]:
     """Compare another renderer's prompts with a reference fixtures document.
 
@@ -330,8 +350,19 @@ def diff_fixtures(
     differing character offset and a context window from both sides. Cases OTHER lacks are
     listed as ``missing``; templates and cases OTHER has but the reference lacks (not
     compared) as ``only_in_other`` (report level: template names; per template: request names).
+
+    With ``explain``, each prompt difference also gets ``spans`` (every differing span, not
+    only the first: :func:`llamaprompt.explain.spans`) and ``causes`` (found by experiment with
+    llama.cpp's own stages: :func:`llamaprompt.explain.explain`; the template is rebuilt from
+    its entry, with the ``llama_cpp`` core), and the report ``causes`` (cause -> count).
     """
+    from collections import Counter
+
+    from . import explain as ex
+
+    cause_counts: Counter[str] = Counter()
     other_cases, other_caps = _other_cases(other)
+    built: dict[str, ChatTemplate] = {}
     report: dict[str, Any] = {"templates": {}}
     agree_templates = 0
     compared_templates = 0
@@ -382,6 +413,18 @@ def diff_fixtures(
                     reference_length=len(a),
                     other_length=len(b),
                 )
+                if explain:
+                    d["spans"] = ex.spans(ref_case["prompt"], got["prompt"], context=context)
+                    if tname not in built:
+                        built[tname] = template_from_entry(entry, llama_cpp)
+                    request = reference.get("requests", {}).get(rname)
+                    causes = (
+                        ex.explain(built[tname], request, ref_case["prompt"], got["prompt"])
+                        if isinstance(request, Mapping)
+                        else ["unknown"]
+                    )
+                    d["causes"] = causes
+                    cause_counts.update(causes)
             else:
 
                 def brief(c: Mapping[str, Any]) -> Any:
@@ -397,6 +440,8 @@ def diff_fixtures(
             agree_templates += 1
         report["templates"][tname] = t
     report["only_in_other"] = [name for name in other_cases if name not in reference["templates"]]
+    if explain:
+        report["causes"] = dict(cause_counts.most_common())
     report["templates_agree"] = agree_templates
     report["templates_total"] = len(reference["templates"])
     report["templates_compared"] = compared_templates
@@ -417,6 +462,12 @@ def _status_text(status: Any) -> str:
 def diff_markdown(report: Mapping[str, Any]) -> str:
     """The diff report as Markdown: the table a renderer author pastes into a bug report."""
     lines = [f"**{report['summary']}** (reference: llama.cpp {report.get('llama_cpp_commit')})", ""]
+    if report.get("causes"):
+        lines += [
+            "Causes of the differences (found by experiment): "
+            + ", ".join(f"{c} {n}" for c, n in report["causes"].items()),
+            "",
+        ]
     lines += ["| template | cases agree | caps |", "|---|---|---|"]
     for tname, t in report["templates"].items():
         if t.get("missing_template"):
@@ -443,9 +494,15 @@ def diff_markdown(report: Mapping[str, Any]) -> str:
         lines += ["", f"### {tname}"]
         for d in t["differences"]:
             if "offset" in d:
-                lines.append(f"- `{d['request']}`: first difference at offset {d['offset']}")
+                cause = f" — cause: {', '.join(d['causes'])}" if d.get("causes") else ""
+                lines.append(f"- `{d['request']}`: first difference at offset {d['offset']}{cause}")
                 lines.append(f"  - reference: {_md_code(d['reference'])}")
                 lines.append(f"  - other:     {_md_code(d['other'])}")
+                for sp in d.get("spans", [])[1:]:
+                    lines.append(
+                        f"  - then at {sp['reference_offset']}/{sp['other_offset']} ({sp['op']}): "
+                        f"{_md_code(sp['reference'])} vs {_md_code(sp['other'])}"
+                    )
             else:
                 lines.append(
                     f"- `{d['request']}`: reference gives {_status_text(d['reference_status'])}, "

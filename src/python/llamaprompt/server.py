@@ -5,7 +5,10 @@
 
 Routes (llama-server's): ``POST /apply-template``, ``GET /props``, ``POST /tokenize``,
 ``POST /detokenize`` (GGUF-backed templates), ``GET /health``, ``GET /models`` and
-``/v1/models``. Several templates are served at once; a request picks one with a
+``/v1/models``; and llamaprompt's own ``POST /llamaprompt/template-inputs`` (a chat request
+body -> :meth:`ChatTemplate.template_inputs` as JSON) and ``POST /llamaprompt/render-inputs``
+(``{"context": {...}, "variant": ...}`` -> ``{"text": ...}``, llama.cpp's engine alone).
+Several templates are served at once; a request picks one with a
 ``"model"`` field in its body or ``?model=NAME`` (default: the first). Errors use
 llama-server's status codes and ``{"error": {"code", "message", "type"}}`` body.
 
@@ -157,8 +160,26 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
             raise TypeError("tokens must be a list of integers")
         return {"content": t.detokenize(tokens)}
 
+    def do_inputs(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
+        if not hasattr(t, "template_inputs"):
+            raise Error("template inputs need a trusted template (not --untrusted)", 501)
+        return t.template_inputs(raw)
+
+    def do_render_inputs(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
+        if not hasattr(t, "render_inputs"):
+            raise Error("render-inputs needs a trusted template (not --untrusted)", 501)
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("context"), dict):
+            raise TypeError('body must be {"context": {...template variables...}, "variant": optional}')
+        return {"text": t.render_inputs(parsed["context"], variant=parsed.get("variant"))}
+
     async def apply_template(request: Request):
         return await with_template(request, do_apply)
+
+    async def template_inputs(request: Request):
+        return await with_template(request, do_inputs)
+
+    async def render_inputs(request: Request):
+        return await with_template(request, do_render_inputs)
 
     async def tokenize(request: Request):
         return await with_template(request, do_tokenize)
@@ -173,6 +194,9 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         Route("/models", models, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/apply-template", apply_template, methods=["POST"]),
+        # llamaprompt's own: ChatTemplate.template_inputs / render_inputs
+        Route("/llamaprompt/template-inputs", template_inputs, methods=["POST"]),
+        Route("/llamaprompt/render-inputs", render_inputs, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]

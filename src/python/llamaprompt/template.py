@@ -64,6 +64,11 @@ def _looks_like_path(source: str) -> str | None:
     return None
 
 
+#: The chat_template_caps keys of the in-process core's llama.cpp tree
+#: (jinja::caps::to_map(); 9 keys on the pin, 8 on trees without supports_reasoning_effort)
+_CAPS_KEYS = tuple(_core.CAPS_KEYS)
+
+
 def _resolve(options: Options | dict[str, Any]) -> tuple[Any, Options]:
     """The core that ``llama_cpp`` names, and the options checked against its caps keys."""
     if isinstance(options, Options):
@@ -706,6 +711,80 @@ class ChatTemplate:
             body["tools"] = list(tools)
         return self._core.normalize(request_body(body))
 
+    def template_inputs(self, request: Request, *, timeout: float | None = None) -> dict[str, Any]:
+        """What llama.cpp hands its Jinja engine for this request: the context of every render
+        of the template, captured from ``common_chat_template_direct_apply_impl`` at its
+        ``jinja::global_from_json(ctx, inp, ...)`` call (never reconstructed), during the same
+        call as :meth:`apply`.
+
+        A context holds ``messages`` after normalization, llama.cpp's workarounds and the
+        specialized handler's rewrites, ``bos_token``, ``eos_token``, ``enable_thinking``,
+        ``tools`` (when any), the extra context (``chat_template_kwargs``, server defaults such
+        as ``preserve_reasoning``) and ``add_generation_prompt`` (only when true). Templates may
+        also call llama.cpp's built-ins (``strftime_now``: today's date; ``raise_exception``).
+
+        Returns:
+            ``{"prompt": str, "renders": [...], "prompt_render": int | None, "prompt_match":
+            "exact" | "prefix" | None, "context": dict | None}``: each render is ``{"context":
+            dict, "variant": "default" | "tool_use", "mark_input": bool, "output": str}`` (the
+            output before BOS/EOS stripping), in the order llama.cpp made them (a handler may
+            render several times: the generation prompt is the difference of two renders).
+            ``prompt_render`` is the render the prompt comes from: ``"exact"`` when the prompt
+            is its output (after llama.cpp's BOS/EOS stripping), ``"prefix"`` when the prompt
+            continues it (``continue_final_message``, assistant prefill); None when a handler
+            rewrote the text (e.g. gpt-oss). ``context`` is that render's context.
+
+        Raises what :meth:`apply` raises; FeatureError on a tree without the capture point;
+        TemplateError for a built-in (non-Jinja) template.
+        """
+        from .tree import require
+
+        require("template_inputs", "ChatTemplate.template_inputs", self._lib)
+        if not self._core.use_jinja():
+            raise TemplateError("template_inputs needs a Jinja template (this one is built-in)")
+        hooks = hooks_for(self, self._opts.hooks)
+        body = request_body(_before(request, hooks) if hooks else request)
+        out = dict(self._core.template_inputs(body, call_timeout(timeout)))
+        index, match = _prompt_render(out["renders"], out["prompt"], self._tokens)
+        out["prompt_render"] = index
+        out["prompt_match"] = match
+        out["context"] = None if index is None else out["renders"][index]["context"]
+        return out
+
+    def render_inputs(
+        self,
+        context: Mapping[str, Any],
+        *,
+        variant: str | None = None,
+        mark_input: bool = True,
+        timeout: float | None = None,
+    ) -> str:
+        """llama.cpp's Jinja engine on a given context (``common_chat_template_direct_apply_impl``
+        with the context as its overrides): no normalization, no workarounds, no handler, no
+        BOS/EOS stripping -- for "is it my engine or my preprocessing?": feed it a
+        :meth:`template_inputs` context, or your own renderer's.
+
+        Args:
+            context: the template's variables (``messages``, ``tools``, ``bos_token`` ...).
+            variant: ``"default"`` or ``"tool_use"`` (default: ``"tool_use"`` when the context has
+                tools and the template has that variant, as llama.cpp picks it).
+            mark_input: llama.cpp's input marking of context strings (as captured).
+            timeout: as for :meth:`apply_template`.
+
+        Returns the rendered text (str). Raises TemplateError for what the template raises,
+        RequestError for a context that is not a JSON object, FeatureError on a tree without it.
+        """
+        from .tree import require
+
+        require("template_inputs", "ChatTemplate.render_inputs", self._lib)
+        if not isinstance(context, Mapping):
+            raise TypeError(f"context must be a mapping, not {type(context).__name__}")
+        if variant is None:
+            variant = "tool_use" if context.get("tools") and self.tool_use_source else "default"
+        if variant not in ("default", "tool_use"):
+            raise ValueError(f"variant must be 'default' or 'tool_use', not {variant!r}")
+        return self._core.render_inputs(request_body(context), variant, bool(mark_input), call_timeout(timeout))
+
     # -- tokens (GGUF-backed templates) -----------------------------------------------
 
     @property
@@ -800,6 +879,28 @@ class ChatTemplate:
             return f"ChatTemplate.from_gguf({self._gguf_path!r}, server_args={list(self.server_args)!r}{core})"
         head = self.source[:40]
         return f"ChatTemplate({head!r}..., server_args={list(self.server_args)!r}{core})"
+
+
+def _prompt_render(
+    renders: list[dict[str, Any]], prompt: str, tokens: tuple[str, str, bool, bool]
+) -> tuple[int | None, str | None]:
+    """Which render (last first) the prompt is, exactly or as its start, once llama.cpp's
+    BOS/EOS stripping (``add_bos``/``add_eos``) is applied to the output."""
+    bos, eos, add_bos, add_eos = tokens
+    prefix: int | None = None
+    for i in range(len(renders) - 1, -1, -1):
+        out = renders[i].get("output")
+        if out is None:
+            continue
+        if add_bos and bos and out.startswith(bos):
+            out = out[len(bos) :]
+        if add_eos and eos and out.endswith(eos):
+            out = out[: -len(eos)]
+        if out == prompt:
+            return i, "exact"
+        if prefix is None and out and prompt.startswith(out):
+            prefix = i
+    return (prefix, "prefix") if prefix is not None else (None, None)
 
 
 def _restore(
