@@ -46,8 +46,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def run(cmd: list[str], env: dict | None = None, log: Path | None = None, timeout: float = 3600) -> tuple[int, str]:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     if log:
         log.write_text(proc.stdout)
     return proc.returncode, proc.stdout
@@ -55,8 +56,9 @@ def run(cmd: list[str], env: dict | None = None, log: Path | None = None, timeou
 
 def configure_error(output: str) -> str:
     """The message that stopped configuration or compilation (first lines of it)."""
-    m = re.search(r"llamaprompt: cannot build against the llama.cpp tree at [^\n]*\n(.*?)(?:\n\s*\n|CMake Error)",
-                  output, re.S)
+    m = re.search(
+        r"llamaprompt: cannot build against the llama.cpp tree at [^\n]*\n(.*?)(?:\n\s*\n|CMake Error)", output, re.S
+    )
     if m:
         return m.group(1).strip()
     m = re.search(r"^.*error:.*$", output, re.M)
@@ -101,8 +103,11 @@ def one_version(version: str) -> dict:
     if not pinned:
         print(f"[{version}] building the core (llama.cpp {entry['commit']}) ...", flush=True)
         t0 = time.monotonic()
-        rc, log = run([sys.executable, "-m", "llamaprompt.cli", "cores", "add", version, "--no-progress",
-                       "--source", str(ROOT)], env=env, log=work / "build.log")
+        rc, log = run(
+            [sys.executable, "-m", "llamaprompt.cli", "cores", "add", version, "--no-progress", "--source", str(ROOT)],
+            env=env,
+            log=work / "build.log",
+        )
         out["build_seconds"] = round(time.monotonic() - t0)
         out["configured"] = rc == 0 or "llamaprompt: cannot build" not in log
         if rc != 0:
@@ -112,8 +117,9 @@ def one_version(version: str) -> dict:
             return out
         env["LLAMAPROMPT_CORE"] = version
     out["configured"] = out["built"] = True
-    rc, info = run([sys.executable, "-c", "import json, llamaprompt; print(json.dumps(llamaprompt.tree_info()))"],
-                   env=env)
+    rc, info = run(
+        [sys.executable, "-c", "import json, llamaprompt; print(json.dumps(llamaprompt.tree_info()))"], env=env
+    )
     out["tree_info"] = json.loads(info) if rc == 0 else {"error": info.strip()}
     rc, prompt = run([sys.executable, "-m", "llamaprompt.cli", "render"], env=env)
     out["render"] = {"ok": rc == 0 and bool(prompt), "bytes": len(prompt.encode())}
@@ -123,11 +129,17 @@ def one_version(version: str) -> dict:
     else:
         print(f"[{version}] reference suites ({folder}) ...", flush=True)
         tenv = {**env, "LLAMAPROMPT_REQUIRE_REFERENCE": "1"}
-        rc, log = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *REFERENCE_SUITES], env=tenv,
-                      log=work / "reference.log")
-        out["reference"] = {"folder": str(folder.relative_to(folder.parents[1]) if "versions" in folder.parts
-                                          else folder.name),
-                            "cases": n_cases, "pytest": pytest_counts(log), "ok": rc == 0}
+        rc, log = run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *REFERENCE_SUITES],
+            env=tenv,
+            log=work / "reference.log",
+        )
+        out["reference"] = {
+            "folder": str(folder.relative_to(folder.parents[1]) if "versions" in folder.parts else folder.name),
+            "cases": n_cases,
+            "pytest": pytest_counts(log),
+            "ok": rc == 0,
+        }
     print(f"[{version}] done", flush=True)
     return out
 
@@ -152,18 +164,30 @@ def changes(versions: list[str]) -> list[dict]:
             for rname, c in entry.get("cases", {}).items():
                 kinds.setdefault(c["change"], []).append(rname)
             per_template[name] = {"caps": entry.get("caps", {}), "load": entry.get("load"), "cases": kinds}
-        out.append({"from": report["from"], "to": report["to"], "summary": report["summary"],
-                    "caps_keys": report["caps_keys"],
-                    "summary_line": lv.summary_line(report), "templates": per_template,
-                    "skipped": [v for v in versions[versions.index(a) + 1 : versions.index(b)]]})
+        out.append(
+            {
+                "from": report["from"],
+                "to": report["to"],
+                "summary": report["summary"],
+                "caps_keys": report["caps_keys"],
+                "summary_line": lv.summary_line(report),
+                "templates": per_template,
+                "skipped": [v for v in versions[versions.index(a) + 1 : versions.index(b)]],
+            }
+        )
     return out
 
 
 def probe_version(version: str) -> dict:
     """Only fetch the tree and run the configure-time probe (no compilation)."""
     entry = LOCK["versions"][version]
-    out: dict = {"version": version, "commit": entry["commit"], "date": entry.get("date"),
-                 "pinned": version == LOCK["source"]["version"], "built": None}
+    out: dict = {
+        "version": version,
+        "commit": entry["commit"],
+        "date": entry.get("date"),
+        "pinned": version == LOCK["source"]["version"],
+        "built": None,
+    }
     fetch = ROOT / "third_party" / "fetch_llama_cpp.py"
     rc, dest = run([sys.executable, str(fetch), "--version", version, "--print-dest"])
     tree = Path(dest.strip())
@@ -189,8 +213,14 @@ def probe_version(version: str) -> dict:
 def fmt_features(r: dict) -> tuple[str, str]:
     info = r.get("tree_info") or {}
     feats = info.get("features") or {}
-    shown = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "server_schema",
-             "const_execution"]
+    shown = [
+        "caps_reasoning_effort",
+        "thinking_end_tags",
+        "message_delimiters",
+        "parse",
+        "server_schema",
+        "const_execution",
+    ]
     present = ", ".join(f for f in shown if feats.get(f))
     missing = ", ".join(f for f in shown if f in feats and not feats[f])
     return present or "—", missing or "—"
@@ -258,15 +288,22 @@ def markdown(results: list[dict], generated: str, changelog: list[dict] | None =
                 f"| {k['error_changed']} | {k['now_fails']} | {k['now_renders']} |"
             )
         for c in changelog:
-            lines += ["", f"### {c['from']['name']} (`{c['from']['commit']}`) → {c['to']['name']} "
-                      f"(`{c['to']['commit']}`)", "", c["summary_line"] + ".", ""]
+            lines += [
+                "",
+                f"### {c['from']['name']} (`{c['from']['commit']}`) → {c['to']['name']} (`{c['to']['commit']}`)",
+                "",
+                c["summary_line"] + ".",
+                "",
+            ]
             if not c["templates"]:
                 lines.append("Nothing changed.")
             for name, t in c["templates"].items():
                 parts = []
                 if t.get("load"):
+
                     def err(e):
                         return "loads" if not e else f"fails to load ({e['message'][:80]})"
+
                     parts.append(f"load: {err(t['load']['from'])} → {err(t['load']['to'])}")
                 parts += [f"caps {key} {old} → {new}" for key, (old, new) in t["caps"].items()]
                 for kind, reqs in t["cases"].items():
@@ -302,10 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", nargs="+", default=sorted(LOCK["versions"]), help="versions to build")
     ap.add_argument("--from-json", type=Path, help="rewrite docs/versions.md from this JSON only")
-    ap.add_argument("--changes-only", action="store_true",
-                    help="only recompute the changes between consecutive trees (cores already built)")
-    ap.add_argument("--probe-only", action="store_true",
-                    help="fetch each tree and run the configure-time probe only (no compilation)")
+    ap.add_argument(
+        "--changes-only",
+        action="store_true",
+        help="only recompute the changes between consecutive trees (cores already built)",
+    )
+    ap.add_argument(
+        "--probe-only",
+        action="store_true",
+        help="fetch each tree and run the configure-time probe only (no compilation)",
+    )
     args = ap.parse_args(argv)
     if args.from_json:
         data = json.loads(args.from_json.read_text())
@@ -323,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         results = [previous[k] for k in sorted(previous, key=version_key)]
         generated = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        path.write_text(json.dumps({"generated": generated, "results": results, "changes": changelog}, indent=1)
-                        + "\n")
+        path.write_text(json.dumps({"generated": generated, "results": results, "changes": changelog}, indent=1) + "\n")
         (DOCS / "versions.md").write_text(markdown(results, generated, changelog))
 
     for v in [] if args.changes_only else args.versions:

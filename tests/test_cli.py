@@ -110,3 +110,16 @@ def test_normalize_needs_messages(tmp_path):
         assert e.message.encode() in proc.stderr
     else:
         raise AssertionError("llama.cpp accepted a body without messages")
+
+
+def test_normalize_bodies_llama_cpp_rejects(tmp_path):
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    for body in ('"x"', '{"messages": null}'):
+        f = tmp_path / "b.json"
+        f.write_text(body)
+        proc = run("normalize", "--template", str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")), str(f))
+        try:
+            t.apply_template(body)
+        except llamaprompt.RequestError as e:
+            want = e.message
+        assert proc.returncode == 2 and want.encode() in proc.stderr, (body, proc.stderr)

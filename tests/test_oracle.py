@@ -347,7 +347,7 @@ def test_fixtures_cli_several_dirs_and_a_broken_template(tmp_path):
     assert (
         err["path"] == str(b / "broken.jinja") and err["error"]["type"] == "TemplateError" and err["error"]["message"]
     )
-    assert str(b / "broken.jinja") in proc.stderr and "loaded 2 of 3 templates (1 from" in proc.stderr
+    assert str(b / "broken.jinja") in proc.stderr and "loaded 2 of 3 templates (1 found in" in proc.stderr
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(doc, fx.schema())
     missing = subprocess.run(
@@ -367,3 +367,31 @@ def test_diff_lists_what_only_other_has(few_doc):
     ]
     md = fx.diff_markdown(report)
     assert "in OTHER only (no reference): my-own.jinja" in md and "my_request" in md
+
+
+def test_fixtures_cli_non_utf8_and_same_named_failures(tmp_path):
+    """A template file in another encoding loads (llama.cpp takes bytes) and is written with
+    U+FFFD where JSON cannot hold its bytes, as llama-server's JSON; two failed files of one
+    name get two entries; the output file is written whole or not at all."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "latin1.jinja").write_bytes(b'{{ "caf\xe9" }}{% for m in messages %}{{ m.content }}{% endfor %}')
+    (a / "broken.jinja").write_text("{% if %}")
+    (b / "broken.jinja").write_text("{{ x")
+    out = tmp_path / "o.json"
+    out.write_text("previous")
+    proc = subprocess.run(
+        [*CLI, "fixtures", "--templates", str(a), "--templates", str(b), "-o", str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    assert sorted(doc["load_errors"]) == ["broken.jinja", "broken.jinja#2"]
+    assert "loaded 1 of 3 templates" in proc.stderr
+    prompt = doc["templates"]["latin1.jinja"]["cases"]["plain_chat"]["prompt"]
+    assert prompt.startswith("caf\ufffd")
+    # a run that fails before writing leaves the previous file as it was
+    bad = tmp_path / "bad-requests.json"
+    bad.write_text('{"x": 5}')
+    proc = subprocess.run([*CLI, "fixtures", "--templates", str(a), "--requests", str(bad), "-o", str(out)])
+    assert proc.returncode == 2 and json.loads(out.read_text(encoding="utf-8")) == doc

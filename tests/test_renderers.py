@@ -101,11 +101,18 @@ def test_explain_planted():
     reference = t.apply_template(HELLO)
     assert ex.explain(t, HELLO, reference, "<s>" + reference) == ["leading BOS"]
     assert ex.explain(t, HELLO, reference, reference + "garbage") == ["unknown"]
-    spans = ex.spans("abcdef", "abXdeYf", context=1)
-    assert [(s["op"], s["reference_offset"], s["other_offset"]) for s in spans] == [
-        ("replace", 2, 2),
-        ("insert", 5, 5),
+    spans = ex.spans("abcdefghij", "abXdefghiYj", context=1)
+    assert [
+        (s["op"], s["reference_offset"], s["other_offset"], s["reference_text"], s["other_text"]) for s in spans
+    ] == [
+        ("replace", 2, 2, "c", "X"),
+        ("insert", 9, 9, "", "Y"),
     ]
+    # a changed date is one span, with exactly what changed
+    one = ex.spans("Today Date: 01 Dec 2026\n", "Today Date: 26 Jul 2024\n")
+    assert [(s["reference_text"], s["other_text"]) for s in one] == [("01 Dec 2026", "26 Jul 2024")]
+    many = ex.spans("e" * 300, "E" + "e" * 9 + "E" + ("e" * 9 + "E") * 200, limit=5)
+    assert many[-1]["omitted"] > 0 and len(many) == 6
 
 
 def test_diff_explain_cli(tmp_path):

@@ -239,3 +239,12 @@ def test_inputs_cli_fixtures_and_http(tmp_path):
         data = json.dumps({"context": context}).encode()
         with urllib.request.urlopen(urllib.request.Request(url + "/llamaprompt/render-inputs", data=data)) as r:
             assert json.loads(r.read()) == {"text": t.apply_template(body)}
+
+
+def test_prompt_render_is_the_prompts_own_when_outputs_tie():
+    """Ministral 3's generation prompt is empty, so with add_generation_prompt false the prompt
+    and the generation-prompt render have one output: the prompt's render (the first) is chosen."""
+    t = llamaprompt.ChatTemplate.from_file(template_path("mistralai-Ministral-3-14B-Reasoning-2512.jinja"))
+    inputs = t.template_inputs({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False})
+    assert inputs["prompt_match"] == "exact"
+    assert "add_generation_prompt" not in inputs["context"]  # llama.cpp sets it only when true

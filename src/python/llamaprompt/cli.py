@@ -521,7 +521,7 @@ def _template_dirs(dirs: list[str]) -> list[Path]:
 
 def _loaded_from(args: argparse.Namespace) -> str:
     """Where the templates came from, with counts: "12 from DIR1, 8 from DIR2, 1 --template"."""
-    parts = [f"{len(list(Path(d).glob('*.jinja')))} from {d}" for d in getattr(args, "templates", [])]
+    parts = [f"{len(list(Path(d).glob('*.jinja')))} found in {d}" for d in getattr(args, "templates", [])]
     if args.template:
         parts.append(f"{len(args.template)} --template")
     if getattr(args, "gguf", None):
@@ -555,14 +555,18 @@ def _load_many(
 
     def name_for(path: Path) -> str:
         name, i = path.name, 2
-        while name in out:
+        while name in out or (failures is not None and name in failures):
             name, i = f"{path.name}#{i}", i + 1
         return name
 
     def load(path: Path, make: Any) -> None:
         name = name_for(path)
         if failures is None:
-            out[name] = make()
+            try:
+                out[name] = make()
+            except (Error, OSError, ValueError):
+                print(f"llamaprompt: while loading {path}:", file=sys.stderr)  # which of the templates
+                raise
             return
         try:
             out[name] = make()
@@ -672,7 +676,9 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
 
 
 def _print_json(value: Any) -> None:
-    sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    from .text import json_safe
+
+    sys.stdout.write(json_safe(json.dumps(value, indent=2, ensure_ascii=False)) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -771,6 +777,13 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             _print_json(template.props())
         elif args.command == "inputs":
             result = template.template_inputs(SAMPLE_REQUEST if args.request is None else _read_bytes(args.request))
+            if args.context_only and result["context"] is None:
+                print(
+                    "llamaprompt: no render is the prompt (a handler rewrote the text); drop --context-only "
+                    "to see every render",
+                    file=sys.stderr,
+                )
+                return 1
             _print_json(result["context"] if args.context_only else result)
         elif args.command == "render-inputs":
             context = _read_json(args.context)
@@ -781,8 +794,10 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             sys.stdout.flush()
         elif args.command == "normalize":
             data = _read_json(args.messages)
+            if not isinstance(data, (dict, list)):
+                template.apply_template(json.dumps(data))  # llama.cpp's own refusal of such a body
             if isinstance(data, dict):
-                if "messages" not in data:  # llama.cpp's own refusal ('messages' is required), as from Python
+                if not isinstance(data.get("messages"), list):  # llama.cpp's refusal, as from Python
                     template.apply_template(data)
                 _print_json(template.normalize(data["messages"], tools=data.get("tools")))
             else:
@@ -936,6 +951,9 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         requests = None if args.requests is None else _read_json(args.requests)
         if requests is not None and not isinstance(requests, dict):
             raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
+        bad = [k for k, v in (requests or {}).items() if not isinstance(v, dict)]
+        if bad:
+            raise UsageError(f"{args.requests}: every request must be a JSON object (not: {', '.join(bad[:5])})")
         failures: dict[str, Any] = {}
         templates = _load_many(args, server_args, failures=failures)
         doc = fx.render_fixtures(
@@ -953,8 +971,8 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         )
         if failures:
             print(
-                f"llamaprompt: {len(failures)} templates did not load (listed under 'load_errors'): "
-                + ", ".join(f["path"] for f in failures.values()),
+                f"llamaprompt: {len(failures)} template{'s' if len(failures) != 1 else ''} did not load "
+                "(listed under 'load_errors'): " + ", ".join(f["path"] for f in failures.values()),
                 file=sys.stderr,
             )
             return 1

@@ -60,29 +60,42 @@ _LLAMA_CPP_EXTRA = (
     "truncate_history_thinking",
     "drop_thinking",
     "reasoning_strength",
+    "reasoning_effort",
 )
 
 
-def spans(reference: str, other: str, *, context: int = 20, limit: int = 20) -> list[dict[str, Any]]:
-    """Every differing span of two prompts (difflib's opcodes, no junk heuristic), at most
-    ``limit``: ``{"op": "replace"|"delete"|"insert", "reference_offset", "other_offset",
-    "reference", "other"}`` with ``context`` characters around each side's text."""
-    out: list[dict[str, Any]] = []
+def spans(reference: str, other: str, *, context: int = 20, limit: int = 100, gap: int = 5) -> list[dict[str, Any]]:
+    """Every differing span of two prompts, in order: difflib's opcodes (no junk heuristic),
+    with spans separated by fewer than ``gap`` equal characters merged (a changed date is one
+    span, not three). Each: ``{"op": "replace"|"delete"|"insert", "reference_offset",
+    "other_offset", "reference_text", "other_text"`` (exactly what differs) ``, "reference",
+    "other"`` (the same with ``context`` characters around) ``}``. More than ``limit`` spans:
+    the last item is ``{"omitted": n}``."""
+    merged: list[list[int]] = []
     matcher = difflib.SequenceMatcher(None, reference, other, autojunk=False)
     for op, a0, a1, b0, b1 in matcher.get_opcodes():
         if op == "equal":
             continue
+        if merged and a0 - merged[-1][1] < gap and b0 - merged[-1][3] < gap:
+            merged[-1][1], merged[-1][3] = a1, b1
+        else:
+            merged.append([a0, a1, b0, b1])
+    out: list[dict[str, Any]] = []
+    for a0, a1, b0, b1 in merged[:limit]:
+        op = "replace" if a1 > a0 and b1 > b0 else ("delete" if a1 > a0 else "insert")
         out.append(
             {
                 "op": op,
                 "reference_offset": a0,
                 "other_offset": b0,
+                "reference_text": reference[a0:a1],
+                "other_text": other[b0:b1],
                 "reference": reference[max(0, a0 - context) : a1 + context],
                 "other": other[max(0, b0 - context) : b1 + context],
             }
         )
-        if len(out) >= limit:
-            break
+    if len(merged) > limit:
+        out.append({"omitted": len(merged) - limit})
     return out
 
 

@@ -167,9 +167,20 @@ def render_fixtures(
 
 
 def write_fixtures(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write a fixtures document as UTF-8 JSON (2-space indent, non-ASCII kept)."""
-    text = json.dumps(doc, indent=2, ensure_ascii=False)
-    Path(path).write_text(text + "\n", encoding="utf-8")
+    """Write a fixtures document as UTF-8 JSON (2-space indent, non-ASCII kept; bytes that are
+    not UTF-8, e.g. of a template file in another encoding, become U+FFFD as in llama-server's
+    JSON). The file appears complete or not at all (written next to it, then renamed)."""
+    from .text import json_safe
+
+    text = json_safe(json.dumps(doc, indent=2, ensure_ascii=False))
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text + "\n", encoding="utf-8")
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -499,6 +510,9 @@ def diff_markdown(report: Mapping[str, Any]) -> str:
                 lines.append(f"  - reference: {_md_code(d['reference'])}")
                 lines.append(f"  - other:     {_md_code(d['other'])}")
                 for sp in d.get("spans", [])[1:]:
+                    if "omitted" in sp:
+                        lines.append(f"  - and {sp['omitted']} more spans")
+                        continue
                     lines.append(
                         f"  - then at {sp['reference_offset']}/{sp['other_offset']} ({sp['op']}): "
                         f"{_md_code(sp['reference'])} vs {_md_code(sp['other'])}"

@@ -34,8 +34,24 @@ __all__ = ["create_app", "serve", "DEFAULT_MAX_BODY_BYTES"]
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-def _error(status: int, message: str, kind: str | None = None):
+def _json_response_class():
+    """starlette's JSONResponse, writing bytes that were not UTF-8 (a template file in another
+    encoding, a prompt cut inside a character) as U+FFFD, as llama-server's JSON does."""
+    import json
+
     from starlette.responses import JSONResponse
+
+    from .text import json_safe
+
+    class SafeJSONResponse(JSONResponse):
+        def render(self, content: Any) -> bytes:
+            return json_safe(json.dumps(content, ensure_ascii=False, separators=(",", ":"))).encode("utf-8")
+
+    return SafeJSONResponse
+
+
+def _error(status: int, message: str, kind: str | None = None):
+    JSONResponse = _json_response_class()  # noqa: N806 - a class
 
     kind = kind or {
         400: "invalid_request_error",
@@ -52,8 +68,9 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
-    from starlette.responses import JSONResponse
     from starlette.routing import Route
+
+    JSONResponse = _json_response_class()  # noqa: N806 - a class
 
     if not templates:
         raise ValueError("serve needs at least one template")

@@ -729,10 +729,11 @@ class ChatTemplate:
             dict, "variant": "default" | "tool_use", "mark_input": bool, "output": str}`` (the
             output before BOS/EOS stripping), in the order llama.cpp made them (a handler may
             render several times: the generation prompt is the difference of two renders).
-            ``prompt_render`` is the render the prompt comes from: ``"exact"`` when the prompt
-            is its output (after llama.cpp's BOS/EOS stripping), ``"prefix"`` when the prompt
-            continues it (``continue_final_message``, assistant prefill); None when a handler
-            rewrote the text (e.g. gpt-oss). ``context`` is that render's context.
+            ``prompt_render`` is the index of the render the prompt comes from (the first that
+            matches) and ``prompt_match`` how: ``"exact"`` when the prompt is its output (after
+            llama.cpp's BOS/EOS stripping), ``"prefix"`` when the prompt continues it
+            (``continue_final_message``, assistant prefill); both None when a handler rewrote the
+            text (e.g. gpt-oss). ``context`` is that render's context.
 
         Raises what :meth:`apply` raises; FeatureError on a tree without the capture point;
         TemplateError for a built-in (non-Jinja) template.
@@ -772,7 +773,8 @@ class ChatTemplate:
             timeout: as for :meth:`apply_template`.
 
         Returns the rendered text (str). Raises TemplateError for what the template raises,
-        RequestError for a context that is not a JSON object, FeatureError on a tree without it.
+        TypeError for a context that is not a mapping, ValueError for an unknown variant or
+        ``"tool_use"`` on a template without that variant, FeatureError on a tree without it.
         """
         from .tree import require
 
@@ -783,6 +785,8 @@ class ChatTemplate:
             variant = "tool_use" if context.get("tools") and self.tool_use_source else "default"
         if variant not in ("default", "tool_use"):
             raise ValueError(f"variant must be 'default' or 'tool_use', not {variant!r}")
+        if variant == "tool_use" and not self.tool_use_source:
+            raise ValueError("this template has no tool_use variant")
         return self._core.render_inputs(request_body(context), variant, bool(mark_input), call_timeout(timeout))
 
     # -- tokens (GGUF-backed templates) -----------------------------------------------
@@ -884,12 +888,14 @@ class ChatTemplate:
 def _prompt_render(
     renders: list[dict[str, Any]], prompt: str, tokens: tuple[str, str, bool, bool]
 ) -> tuple[int | None, str | None]:
-    """Which render (last first) the prompt is, exactly or as its start, once llama.cpp's
-    BOS/EOS stripping (``add_bos``/``add_eos``) is applied to the output."""
+    """Which render the prompt is: the first whose output, after llama.cpp's BOS/EOS stripping
+    (``add_bos``/``add_eos``), is the prompt ("exact"), else the first the prompt starts with
+    ("prefix"). The first: the prompt's render comes before the two renders of the generation
+    prompt, whose outputs can be the same text (an empty generation prompt)."""
     bos, eos, add_bos, add_eos = tokens
     prefix: int | None = None
-    for i in range(len(renders) - 1, -1, -1):
-        out = renders[i].get("output")
+    for i, render in enumerate(renders):
+        out = render.get("output")
         if out is None:
             continue
         if add_bos and bos and out.startswith(bos):

@@ -9,7 +9,7 @@ from typing import Any, Union
 
 from .errors import RequestError
 
-__all__ = ["Request", "utf8", "fspath", "request_body"]
+__all__ = ["Request", "utf8", "fspath", "request_body", "json_safe"]
 
 #: A request body: a JSON object (mapping) or its JSON text.
 Request = Union[Mapping[str, Any], str, bytes]
@@ -57,3 +57,14 @@ def request_body(request: Request) -> bytes:
     except RecursionError:
         raise RequestError("request is nested too deeply", 400) from None
     return utf8(text)
+
+
+def json_safe(text: str) -> str:
+    """Text that can be written as UTF-8 JSON: bytes that were not UTF-8 (kept as surrogate
+    escapes, as prompts and template sources come back) become U+FFFD, as llama-server's JSON
+    responses replace them (``dump_safe``)."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        raw = text.encode("utf-8", "surrogatepass")
+    return raw.decode("utf-8", "replace")
