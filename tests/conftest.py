@@ -143,6 +143,22 @@ def template_path(name: str) -> Path:
     return llamaprompt.pinned_template(name)
 
 
+def reference_template(ref: dict, server_args: list[str], name: str, llama_cpp: str | None = None):
+    """The pinned template ``name`` as the reference recording's server loaded it: its model
+    tokens (BOS/EOS text, add_bos/add_eos), media marker and these server flags."""
+    tok = ref["model_tokens"]
+    return llamaprompt.ChatTemplate.from_file(
+        template_path(name),
+        bos_token=tok["bos_token"],
+        eos_token=tok["eos_token"],
+        add_bos=tok["add_bos"],
+        add_eos=tok["add_eos"],
+        server_args=server_args,
+        media_marker=ref["media_marker"],
+        llama_cpp=llama_cpp,
+    )
+
+
 @pytest.fixture(scope="session")
 def qwen3() -> llamaprompt.ChatTemplate:
     return llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))

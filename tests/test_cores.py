@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import llamaprompt
-from conftest import DATE_FORMATS, REPO, mask_dates, shared_reference_dir, template_path
+from conftest import DATE_FORMATS, REPO, mask_dates, reference_template, shared_reference_dir, template_path
 from llamaprompt import _core, cores
 from llamaprompt.cli import main
 from llamaprompt.versions import diff_versions, file_templates
@@ -149,18 +149,7 @@ def test_failed_build_names_the_upstream_change(tmp_path, monkeypatch):
 # -- with the 0.3.35 core -------------------------------------------------------------------
 
 
-def _template(ref: dict, server_args: list[str], name: str, llama_cpp: str | None) -> llamaprompt.ChatTemplate:
-    tok = ref["model_tokens"]
-    return llamaprompt.ChatTemplate.from_file(
-        template_path(name),
-        bos_token=tok["bos_token"],
-        eos_token=tok["eos_token"],
-        add_bos=tok["add_bos"],
-        add_eos=tok["add_eos"],
-        server_args=server_args,
-        media_marker=ref["media_marker"],
-        llama_cpp=llama_cpp,
-    )
+_template = reference_template
 
 
 @pytest.mark.parametrize("fname", ["apply_template.json", "apply_template_server_args.json"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import llamaprompt
-from conftest import load_reference, mask_dates, reference_cases, template_path
+from conftest import load_reference, mask_dates, reference_cases, reference_template, template_path
 
 FILES = ("apply_template.json", "apply_template_server_args.json")
 PIN = llamaprompt.LLAMA_CPP_COMMIT.startswith("0c1e57098")  # the Jinja2 list below is the pin's
@@ -54,17 +54,7 @@ def _collect():
                 yield pytest.param(fname, vi, name, id=f"{fname.split('.')[0]}[{args}]-{name}")
 
 
-def _template(ref, server_args, name):
-    tok = ref["model_tokens"]
-    return llamaprompt.ChatTemplate.from_file(
-        template_path(name),
-        bos_token=tok["bos_token"],
-        eos_token=tok["eos_token"],
-        add_bos=tok["add_bos"],
-        add_eos=tok["add_eos"],
-        server_args=server_args,
-        media_marker=ref["media_marker"],
-    )
+_template = reference_template
 
 
 def _strip(out: str, tok: dict) -> str:
