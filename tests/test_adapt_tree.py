@@ -171,3 +171,27 @@ def test_vocab_fields_are_read_from_the_tree(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
     assert '"new_token_field"' in header.split("LP_VOCAB_FIELDS", 1)[1].splitlines()[0]
+
+
+def _features(tmp_path: Path) -> dict:
+    header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
+    return json.loads(json.loads(header.split("LP_TREE_INFO_JSON ", 1)[1].strip()))["features"]
+
+
+def test_template_inputs_capture_points_are_probed(tree, tmp_path):
+    """template_inputs needs three things of the tree; one gone (here jinja::context's env member,
+    renamed) makes the feature absent -- configure goes on, the module raises FeatureError --
+    while the call site moving inside common_chat_template_direct_apply_impl fails with the text."""
+    assert _run(tree, tmp_path).returncode == 0 and _features(tmp_path)["template_inputs"]
+    _edit(tree / "common" / "jinja" / "runtime.h", "value_object env;", "value_object vars_;")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _features(tmp_path)["template_inputs"] is False
+    assert "not in this tree: common/chat.cpp: common_chat_template_direct_apply_impl" in (
+        tmp_path / "out" / "lp_tree.cmake"
+    ).read_text()
+    _edit(tree / "common" / "chat.cpp", "jinja::global_from_json(ctx, inp, inputs.mark_input);",
+          "jinja::global_from_json(ctx, inp, true);")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "common/chat.cpp" in proc.stderr and "jinja::global_from_json(ctx, inp, inputs.mark_input);" in proc.stderr

@@ -119,9 +119,11 @@ def probe_features(tree: Tree) -> dict[str, dict]:
     add("vocab_test_tokenizer", tree.contains("src/llama-vocab.cpp", 'tokenizer_model == "test"'),
         "src/llama-vocab.cpp: the 'test' tokenizer")
     add("template_inputs", all(tree.contains("common/chat.cpp", t) for t in TEMPLATE_INPUTS_SITES)
-        and tree.search("common/jinja/value.h", r"std::string\s+value_to_json\s*\(\s*const\s+value\s*&"),
+        and tree.search("common/jinja/value.h", r"std::string\s+value_to_json\s*\(\s*const\s+value\s*&")
+        and tree.search("common/jinja/runtime.h", r"\bvalue_object\s+env\s*;"),
         "common/chat.cpp: common_chat_template_direct_apply_impl sets the Jinja context (global_from_json) and "
-        "renders it; common/jinja/value.h: value_to_json (the capture points of ChatTemplate.template_inputs)")
+        "renders it; common/jinja/value.h: value_to_json; common/jinja/runtime.h: jinja::context's "
+        "'value_object env;' (the capture points of ChatTemplate.template_inputs)")
     return f
 
 

@@ -65,6 +65,7 @@ static std::string analysis_key(const common_chat_template & tmpl) {
 // jinja::context keeps its variables in a private member (its only dump, print_vars, goes to
 // stdout). Reading it without changing upstream's header: a pointer to the member formed in an
 // explicit template instantiation, where access is not checked ([temp.spec.general]/6).
+#if LP_HAS_TEMPLATE_INPUTS
 namespace llamaprompt {
 struct context_env_tag {
     using type = jinja::value_object jinja::context::*;
@@ -75,6 +76,7 @@ template <typename Tag, typename Tag::type Member> struct expose_member {
 };
 template struct expose_member<context_env_tag, &jinja::context::env>;
 }  // namespace llamaprompt
+#endif
 
 // inserted after common_chat_template_direct_apply_impl's jinja::global_from_json(ctx, inp, ...):
 // the engine's variables at that point -- `inp` and what caps_apply_* set before it -- as a
@@ -85,6 +87,10 @@ static void llamaprompt_capture_inputs(const common_chat_template & tmpl, jinja:
                                        bool mark_input) {
     using namespace llamaprompt;
     handler_state * st = current_handler;
+#if !LP_HAS_TEMPLATE_INPUTS  // the tree lacks a capture point: template_inputs raises FeatureError
+    (void) tmpl, (void) ctx, (void) inp, (void) mark_input, (void) st;
+    return;
+#else
     if (!st || !st->renders || st->in_analysis) {
         return;
     }
@@ -111,6 +117,7 @@ static void llamaprompt_capture_inputs(const common_chat_template & tmpl, jinja:
         r.context = dump_safe(inp);  // not representable as JSON text: the object it was set from
     }
     st->renders->push_back(std::move(r));
+#endif
 }
 
 // wraps the same function's `parts->as_string().str()`: the output of the render just captured
