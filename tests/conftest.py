@@ -183,3 +183,20 @@ def serving(app):
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+# -- markers (pyproject.toml declares them): `python -m pytest -m "not slow and not ray and not server"`
+# runs the core suite in minutes. Tests that start a server or a Ray cluster carry their marker
+# where they are defined; a test using the `server` fixture gets it here. "slow" = over ~10 s on
+# 2 cores (measured with --durations): whole files of sweeps, and single tests by name.
+SLOW_FILES: set[str] = set()
+SLOW_TESTS: set[str] = set()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.server)
+        path = Path(str(item.fspath)).name
+        if path in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS or item.name in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

@@ -63,6 +63,7 @@ def test_bench_cli_writes_report_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.server
 def test_bench_times_an_http_peer():
     port = serve_load.free_port()
     server = subprocess.Popen(

@@ -93,6 +93,7 @@ def test_processes_match_sequential(cases):
     assert [p for part in parts for p in as_pairs(part)] == want
 
 
+@pytest.mark.ray
 def test_ray_matches_sequential(cases):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
@@ -260,6 +261,7 @@ print("finished")
 """
 
 
+@pytest.mark.ray
 def test_ray_reads_parquet_on_a_two_cpu_cluster(tmp_path):
     """A read task, two render actors and a write task on 2 CPUs must all get scheduled (the
     actors once took every CPU and the read task waited forever). In a subprocess, so that a
@@ -339,6 +341,7 @@ def test_training_tokens_keep_bos_and_the_end_of_turn():
     assert len(end) == 1 and prompt.endswith("Hello!<|end|>\n") and end[0] in toks[-3:]
 
 
+@pytest.mark.ray
 def test_render_dataset_ray_cli_quiet_and_equal(tmp_path):
     """render-dataset --ray on Parquet (read by Ray's reader), --no-progress: no Ray Data
     progress lines, the rows as sequential apply_template renders them, the failures counted."""

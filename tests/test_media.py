@@ -97,6 +97,7 @@ def test_cli_no_media(tmp_path, capsys, requests):
         main(["render", "--media", "image", "--no-media", str(req)])
 
 
+@pytest.mark.server
 def test_serve_props_follow_the_switch():
     pytest.importorskip("starlette")
     from llamaprompt.server import create_app

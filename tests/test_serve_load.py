@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("uvicorn")
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import serve_load  # noqa: E402
 

@@ -179,6 +179,7 @@ def test_render_inputs_and_template_inputs_errors(qwen3):
     assert fresh.template_inputs(body)["renders"] == fresh.template_inputs(body)["renders"]
 
 
+@pytest.mark.server
 def test_inputs_cli_fixtures_and_http(tmp_path):
     import json
     import subprocess

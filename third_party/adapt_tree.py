@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -49,14 +49,21 @@ def norm(text: str) -> str:
 @dataclass
 class Tree:
     root: Path
+    # every file of the tree a probe found or read: an offline sdist must carry them all, since
+    # a file it lacked would change what the probes decide (third_party/sdist_tree.py)
+    inputs: set[str] = field(default_factory=set)
 
     def has(self, rel: str) -> bool:
-        return (self.root / rel).is_file()
+        found = (self.root / rel).is_file()
+        if found:
+            self.inputs.add(rel)
+        return found
 
     def read(self, rel: str) -> str:
         path = self.root / rel
         if not path.is_file():
             raise TreeError(f"{rel}: missing from the llama.cpp tree at {self.root}")
+        self.inputs.add(rel)
         return path.read_text(encoding="utf-8", errors="surrogateescape")
 
     def contains(self, rel: str, text: str) -> bool:
@@ -516,6 +523,7 @@ def main(argv: list[str]) -> int:
     cmake = [f"set(LP_TREE_SOURCES {' '.join(sources)})"]
     cmake += [f"message(STATUS {cmake_str('llamaprompt: ' + n)})" for n in notes]
     (out / "lp_tree.cmake").write_text("\n".join(cmake) + "\n")
+    (out / "generated" / "lp_tree_inputs.txt").write_text("".join(f"{rel}\n" for rel in sorted(tree.inputs)))
     return 0
 
 

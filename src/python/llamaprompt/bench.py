@@ -47,7 +47,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from . import LLAMA_CPP_COMMIT, __version__
 from .errors import Error
@@ -205,7 +205,7 @@ class LlamaServerProcess:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        self._log = tempfile.TemporaryFile()
+        self._log: IO[bytes] | None = tempfile.TemporaryFile()
         cmd = [
             self.binary,
             "-m",
@@ -251,8 +251,9 @@ class LlamaServerProcess:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
-        if getattr(self, "_log", None) is not None:
-            self._log.close()
+        log = getattr(self, "_log", None)
+        if log is not None:
+            log.close()
             self._log = None
 
 
@@ -321,7 +322,7 @@ def bench_template(
             except Exception as e:
                 row["jinja2_error"] = f"{type(e).__name__}: {e}"
             row["jinja2"] = _per_call(_quiet(partial(jinja.render, **kwargs)), min_time)
-        if use_server:
+        if use_server and server is not None:
             row["server"] = _per_call(partial(server.apply_template, body), min_time)
         if "floor" in peers and prompt is not None:
             floor = fast._core.time_direct_apply(body, max(1, int(min_time / max(row["llamaprompt"], 1e-6))))
@@ -340,9 +341,9 @@ def bench_template(
         if peer == "jinja2":  # compared where Jinja2 gives llama-server's prompt
             names = [n for n in names if rows[n].get("jinja2_same")]
         if names:
-            rps[peer] = rate(peer, names)
+            theirs = rps[peer] = rate(peer, names)
             mine = rate("llamaprompt", names)
-            ratios[peer] = mine / rps[peer] if mine and rps[peer] else None
+            ratios[peer] = mine / theirs if mine and theirs else None
     floored = [n for n in everything if "floor" in rows[n]]
     if floored:
         rps["floor"] = rate("floor", floored)

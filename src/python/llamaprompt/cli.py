@@ -387,6 +387,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-j", "--jobs", type=_positive, metavar="N", help="parallel compile jobs")
     c.add_argument("--force", action="store_true", help="rebuild even when a usable core is installed")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument(
+        "--no-build-isolation",
+        action="store_true",
+        help="pip's flag: build with the build requirements installed here (scikit-build-core, pybind11, cmake, ninja)",
+    )
     c = csub.add_parser("list", help="the built-in core and the installed ones: commit, date, features, size")
     c.add_argument("--json", action="store_true", help="print JSON")
     c = csub.add_parser("remove", help="delete an installed core")
@@ -732,8 +737,7 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             request = SAMPLE_REQUEST if args.request is None else _read_bytes(args.request)
             if args.params:
                 params = template.apply(request)
-                out = {k: v for k, v in vars(params).items() if not k.startswith("_")}
-                _print_json(out)
+                _print_json({k: v for k, v in vars(params).items() if not k.startswith("_")})
             else:
                 prompt = template.apply_template(request)
                 sys.stdout.buffer.write(prompt.encode("utf-8", "surrogateescape"))
@@ -789,8 +793,8 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             context = _read_json(args.context)
             if not isinstance(context, dict):
                 raise UsageError(f"{args.context}: must be a JSON object of template variables")
-            out = template.render_inputs(context, variant=args.variant)
-            sys.stdout.buffer.write(out.encode("utf-8", "surrogateescape"))
+            text = template.render_inputs(context, variant=args.variant)
+            sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
             sys.stdout.flush()
         elif args.command == "normalize":
             data = _read_json(args.messages)
@@ -825,6 +829,7 @@ def _cores(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             progress=not args.no_progress,
             force=args.force,
+            build_isolation=not args.no_build_isolation,
         )
         print(f"llamaprompt: installed the llama.cpp {core.label()} core ({core.source}) in {core.path}")
         return 0

@@ -296,6 +296,7 @@ def add_core(
     jobs: int | None = None,
     progress: bool | Callable[[int, int], None] = True,
     force: bool = False,
+    build_isolation: bool = True,
 ) -> Core:
     """Build llamaprompt's core against another llama.cpp tree and install it in :func:`cores_dir`.
 
@@ -309,6 +310,10 @@ def add_core(
         progress: True draws a progress bar on stderr (tqdm), False is silent, or a callable
             ``(done, total)`` receives the compile steps.
         force: build even when a usable core for that version is installed (else it is returned).
+        build_isolation: False builds with the build requirements already installed in this
+            environment (``pip wheel --no-build-isolation``: scikit-build-core, pybind11, cmake,
+            ninja) -- no downloads, and ccache hits for llamaprompt's own files too, since their
+            include paths no longer change with every temporary build environment.
 
     The build is ``pip wheel`` of those sources with ``LLAMAPROMPT_LLAMA_CPP`` (or
     ``_DIR``) set, in a build directory kept under ``cache_dir()/core-builds`` so that a rebuild
@@ -363,6 +368,8 @@ def add_core(
     log_path = build_dir / "build.log"
     with tempfile.TemporaryDirectory(prefix="llamaprompt-core-") as tmp:
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", tmp, str(src)]
+        if not build_isolation:
+            cmd.insert(4, "--no-build-isolation")
         rc, log = _run_build(cmd, env, log_path, progress, f"llama.cpp {version or llama_cpp_dir}")
         if rc != 0:
             raise CoreError(

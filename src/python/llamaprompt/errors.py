@@ -22,6 +22,8 @@ The class follows the status, whatever the cause (tools/server/server.cpp ``ex_w
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["Error", "RequestError", "TemplateError", "ServerArgsError", "GGUFError", "FeatureError", "CoreError"]
 
 
@@ -39,10 +41,10 @@ class Error(Exception):
         self.message = message
         self.status = status
 
-    def __reduce__(self):  # keep message and status across pickling (worker processes)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep message and status across pickling (worker processes)
         return (type(self), (self.message, self.status))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The ``{"error": {...}}`` body llama-server sends for this error."""
         status = self.status if self.status is not None else 500
         kind = "invalid_request_error" if status == 400 else "server_error"

@@ -306,6 +306,7 @@ def check_fixtures(
 def _other_cases(other: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict]]:
     """(cases, caps) per template from an OTHER file: the fixtures schema, or a minimal
     ``{template: {request: prompt | null | {"status":..., "error":...}}}`` map."""
+    cases: dict[str, dict[str, Any]]
     if other.get("schema") == SCHEMA_ID:
         cases = {
             t: {r: (c if isinstance(c, Mapping) else {"status": None}) for r, c in e.get("cases", {}).items()}
@@ -313,7 +314,7 @@ def _other_cases(other: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], d
         }
         caps = {t: e["caps"] for t, e in other["templates"].items() if isinstance(e.get("caps"), dict)}
         return cases, caps
-    cases: dict[str, dict[str, Any]] = {}
+    cases = {}
     for tname, reqs in other.items():
         if not isinstance(reqs, Mapping):
             raise ValueError(f"OTHER: template {tname!r} must map request names to prompts")

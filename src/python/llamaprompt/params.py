@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .parse import StreamParser
 
 __all__ = ["ChatParams"]
 
@@ -93,7 +96,9 @@ class ChatParams:
         core = output_parser(self, reasoning_format=reasoning_format, parse_tool_calls=parse_tool_calls, stream=False)
         return core.parse(_utf8(text), bool(partial))
 
-    def stream_parser(self, *, reasoning_format: str | None = None, parse_tool_calls: bool | None = None):
+    def stream_parser(
+        self, *, reasoning_format: str | None = None, parse_tool_calls: bool | None = None
+    ) -> StreamParser:
         """A :class:`~llamaprompt.parse.StreamParser` giving the OpenAI streaming deltas
         llama-server sends while this request's output is generated (``stream: true``)."""
         from .parse import StreamParser, output_parser

@@ -26,7 +26,7 @@ def output_parser(
         raise ValueError("this ChatParams was not produced by ChatTemplate.apply()")
     template = origin
     require("parse", "parsing model output", template._lib)
-    return template._lib.OutputParser(
+    parser: _core.OutputParser = template._lib.OutputParser(
         json.dumps(params.llama_params, ensure_ascii=False).encode("utf-8", "surrogateescape"),
         [*template._core_server_args],
         template._model,
@@ -34,6 +34,7 @@ def output_parser(
         parse_tool_calls,
         stream,
     )
+    return parser
 
 
 class StreamParser:

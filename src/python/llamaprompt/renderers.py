@@ -138,7 +138,8 @@ class TransformersRenderer(_Renderer):
             from transformers.utils.chat_template_utils import render_jinja_template
         except ImportError as e:  # pragma: no cover - depends on the extra
             raise ImportError("TransformersRenderer needs transformers: pip install transformers") from e
-        self._render = render_jinja_template
+        # transformers' own signature (its annotations differ between releases)
+        self._render: Any = render_jinja_template
         self.version = str(transformers.__version__)
 
     def render(self, source: str, context: Mapping[str, Any]) -> str:
@@ -164,7 +165,7 @@ class MinijinjaRenderer(_Renderer):
             import minijinja
         except ImportError as e:  # pragma: no cover - depends on the extra
             raise ImportError("MinijinjaRenderer needs minijinja: pip install minijinja") from e
-        env = minijinja.Environment()
+        env: Any = minijinja.Environment()  # (minijinja's stub lacks add_function)
         env.trim_blocks = True
         env.lstrip_blocks = True
         env.pycompat = True
@@ -228,6 +229,7 @@ class HFJinjaRenderer(_Renderer):
                 f"HFJinjaRenderer needs node and @huggingface/jinja in {self._prefix} "
                 f"(npm install --prefix {self._prefix} @huggingface/jinja)"
             )
+        self._node_path: str = self._node
         self.version = json.loads(package.read_text(encoding="utf-8")).get("version", "?")
 
     def render_many(self, jobs: list[tuple[str, Mapping[str, Any]]]) -> list[str | Exception]:
@@ -235,7 +237,7 @@ class HFJinjaRenderer(_Renderer):
 
         payload = json.dumps([[s, dict(c)] for s, c in jobs], ensure_ascii=False)
         proc = subprocess.run(
-            [self._node, "-e", _HF_SCRIPT, str(self._prefix)],
+            [self._node_path, "-e", _HF_SCRIPT, str(self._prefix)],
             input=payload.encode("utf-8"),
             capture_output=True,
             timeout=600,

@@ -223,7 +223,8 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         # unknown paths and methods answer with llama-server's JSON error body too
         return _error(exc.status_code, str(exc.detail))
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    handlers: dict[Any, Any] = {HTTPException: http_error}
+    return Starlette(routes=routes, exception_handlers=handlers)
 
 
 def serve(

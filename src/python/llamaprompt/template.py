@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, overload
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -26,6 +26,10 @@ from .options import (
 )
 from .params import ChatParams
 from .text import Request, fspath, request_body, utf8
+
+if TYPE_CHECKING:
+    from ._core import Model as _CoreModel
+    from ._core import Template as _CoreTemplate
 
 __all__ = ["ChatTemplate", "DEFAULT_MEDIA_MARKER", "MEDIA_KINDS", "PromptTokens", "Request"]
 
@@ -106,7 +110,8 @@ def _before(request: Request, hooks: list[Any]) -> Request:
             body = before(body)
             if not isinstance(body, Mapping):
                 raise TypeError(f"{type(hook).__name__}.before_request must return the request mapping")
-    return body
+    result: Mapping[str, Any] = body
+    return result
 
 
 class ChatTemplate:
@@ -192,6 +197,14 @@ class ChatTemplate:
     while llama.cpp works.
     """
 
+    # the built llama.cpp objects (in-process _core, or a worker core's stand-ins) and what
+    # the template was built from
+    _core: _CoreTemplate
+    _model: _CoreModel | None
+    _tokens: tuple[str, str, bool, bool]
+    _opts: Options
+    _gguf_path: str | None
+
     def __init__(
         self,
         source: str | bytes,
@@ -251,7 +264,17 @@ class ChatTemplate:
     def _core_server_args(self) -> list[str]:
         return self._opts.core_server_args()
 
-    def _setup(self, lib: Any, opts: Options, *, source, gguf_path, model, tokens, core) -> None:
+    def _setup(
+        self,
+        lib: Any,
+        opts: Options,
+        *,
+        source: str | bytes | None,
+        gguf_path: str | None,
+        model: _CoreModel | None,
+        tokens: tuple[str, str, bool, bool],
+        core: Callable[[], _CoreTemplate],
+    ) -> None:
         for hook in opts.hooks:
             check_hook(hook)
         self._lib = lib
@@ -428,7 +451,7 @@ class ChatTemplate:
         itself for a single flag it already has. Raises ServerArgsError as the constructor."""
         if len(args) == 1 and args[0] in self._opts.server_args:
             return self
-        siblings = self.__dict__.setdefault("_siblings", {})
+        siblings: dict[tuple[str, ...], ChatTemplate] = self.__dict__.setdefault("_siblings", {})
         made = siblings.get(args)
         if made is None:
             made = siblings[args] = self._rebuild(server_args=[*self._opts.server_args, *args])
@@ -796,7 +819,7 @@ class ChatTemplate:
         """The GGUF file this template was loaded from, or None."""
         return self._gguf_path
 
-    def _vocab(self) -> _core.Model:
+    def _vocab(self) -> _CoreModel:
         if self._model is None:
             raise TypeError("tokens need a GGUF-backed template: use ChatTemplate.from_gguf(path)")
         return self._model
@@ -874,7 +897,7 @@ class ChatTemplate:
 
     # -- pickling: rebuilt from its source (or GGUF path) and options in the other process
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_restore, (self._input_source, self._gguf_path, self._tokens, self._opts))
 
     def __repr__(self) -> str:

@@ -232,19 +232,23 @@ def file_templates(
         base = name
         while name in out:
             name, i = f"{base}#{i}", i + 1
-        out[name] = lambda spec, p=path: ChatTemplate.from_file(
-            p, llama_cpp=spec or None, server_args=server_args, **options
-        )
+        out[name] = _builder(ChatTemplate.from_file, path, server_args, options)
     return out
+
+
+def _builder(
+    load: Callable[..., ChatTemplate], path: str, server_args: Sequence[str], options: dict[str, Any]
+) -> TemplateSource:
+    """A TemplateSource loading ``path`` with ``load`` for a core spec ("" = the built-in one)."""
+
+    def build(spec: str) -> ChatTemplate:
+        return load(path, llama_cpp=spec or None, server_args=server_args, **options)
+
+    return build
 
 
 def gguf_templates(
     paths: Sequence[str], *, server_args: Sequence[str] = (), **options: Any
 ) -> dict[str, TemplateSource]:
     """name -> builder for GGUF files (template, tokens and flags from each file)."""
-    return {
-        str(p).rsplit("/", 1)[-1]: (
-            lambda spec, p=p: ChatTemplate.from_gguf(p, llama_cpp=spec or None, server_args=server_args, **options)
-        )
-        for p in paths
-    }
+    return {str(p).rsplit("/", 1)[-1]: _builder(ChatTemplate.from_gguf, p, server_args, options) for p in paths}
