@@ -189,8 +189,15 @@ def serving(app):
 # runs the core suite in minutes. Tests that start a server or a Ray cluster carry their marker
 # where they are defined; a test using the `server` fixture gets it here. "slow" = over ~10 s on
 # 2 cores (measured with --durations): whole files of sweeps, and single tests by name.
-SLOW_FILES: set[str] = set()
-SLOW_TESTS: set[str] = set()
+SLOW_FILES = {
+    "test_fast_path.py",  # the fast path's proof: every template x variant against the unmodified path
+    "test_cores.py",  # builds and runs cores for other trees (worker processes, CMake)
+}
+SLOW_TESTS = {
+    "test_more_vocab_conditions_llama_cpp_asserts_raise_instead",  # ~60 s: many written GGUF files
+    "test_vocab_conditions_llama_cpp_asserts_raise_instead",
+    "test_time_budget_per_call_and_per_template",  # waits for time budgets to expire
+}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -79,3 +79,60 @@ def test_installed_package_carries_its_stubs_and_templates():
     assert (pkg / "py.typed").is_file()
     assert (pkg / "_core.pyi").is_file()
     assert len(llamaprompt.pinned_templates()) > 50
+
+
+# -- the offline sdist's part of the pinned tree (third_party/sdist_tree.py) ---------------------
+
+TREE = ROOT / "third_party" / "llama.cpp"
+
+
+def _pinned_build_dir() -> Path:
+    """A build directory of this checkout configured for the pinned tree, else skip."""
+    for ninja in sorted((ROOT / "build").glob("*/build.ninja")):
+        cache = ninja.parent / "CMakeCache.txt"
+        if cache.is_file() and f"LP_CONFIGURED_TREE:INTERNAL={TREE}" in cache.read_text():
+            return ninja.parent
+    pytest.skip("no build directory of the pinned tree in this checkout (pip install . builds one)")
+
+
+def _sdist_tree():
+    sys.path.insert(0, str(ROOT / "third_party"))
+    try:
+        import sdist_tree
+    finally:
+        sys.path.pop(0)
+    return sdist_tree
+
+
+def test_the_subset_probes_as_the_whole_tree(tmp_path):
+    """adapt_tree.py run on the sdist's subset decides exactly what it decides on the whole
+    tree (the same features, rewrites, sources and copies): a probed file left out would
+    change them."""
+    build_dir = _pinned_build_dir()
+    files = _sdist_tree().subset(build_dir)
+    part = tmp_path / "subset"
+    for rel in files:
+        (part / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(TREE / rel, part / rel)
+    assert len(files) < sum(1 for p in TREE.rglob("*") if p.is_file()) / 2  # a part, not the tree
+    outs = {}
+    for name, tree in (("whole", TREE), ("subset", part)):
+        out = tmp_path / f"out-{name}"
+        proc = subprocess.run([sys.executable, str(ROOT / "third_party" / "adapt_tree.py"), str(tree), str(out)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        outs[name] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert outs["whole"] == outs["subset"]
+
+
+def test_the_subset_has_every_compiled_source_and_license():
+    build_dir = _pinned_build_dir()
+    files = set(_sdist_tree().subset(build_dir))
+    import json
+
+    compiled = {e["file"] for e in json.loads((build_dir / "compile_commands.json").read_text())}
+    in_tree = {Path(f).resolve().relative_to(TREE.resolve()).as_posix() for f in compiled
+               if Path(f).resolve().is_relative_to(TREE.resolve())}
+    assert in_tree and in_tree <= files
+    assert {"LICENSE", "CMakeLists.txt", ".llamaprompt-commit", "common/chat.cpp"} <= files
+    assert any(f.startswith("models/templates/") for f in files)

@@ -521,6 +521,9 @@ def main(argv: list[str]) -> int:
     if not target.exists() or target.read_text() != text:
         target.write_text(text)
     cmake = [f"set(LP_TREE_SOURCES {' '.join(sources)})"]
+    # the upstream files whose build-tree copies src/cpp/shim_*.cpp compile into _core (every
+    # definition of each is in its copy): CMakeLists.txt does not compile them again in llama-common
+    cmake.append(f"set(LP_COPIED_SOURCES {' '.join(rw.rel for rw in REWRITES)})")
     cmake += [f"message(STATUS {cmake_str('llamaprompt: ' + n)})" for n in notes]
     (out / "lp_tree.cmake").write_text("\n".join(cmake) + "\n")
     (out / "generated" / "lp_tree_inputs.txt").write_text("".join(f"{rel}\n" for rel in sorted(tree.inputs)))

@@ -59,7 +59,8 @@ def _under_tree(path: str, base: Path) -> str | None:
 def build_inputs(build_dir: Path) -> set[str]:
     """The tree's files a configured and built build directory read."""
     ninja_file = (build_dir / "build.ninja").read_text()
-    m = re.search(r"^build build\.ninja: RERUN_CMAKE (.*)$", ninja_file, re.M)
+    # "build build.ninja[ <other outputs>]: RERUN_CMAKE <inputs>" (CMake 4 lists more outputs)
+    m = re.search(r"^build build\.ninja(?: [^:\n]*)?: RERUN_CMAKE (.*)$", ninja_file, re.M)
     if m is None:
         sys.exit(f"{build_dir}/build.ninja: no RERUN_CMAKE rule (not a CMake/Ninja build directory?)")
     files = {r for r in (_under_tree(p, build_dir) for p in m.group(1).replace("|", " ").split()) if r}
@@ -126,6 +127,7 @@ def add_to_sdist(sdist: Path, files: list[str]) -> tuple[int, int]:
             size += len(data)
     with tempfile.NamedTemporaryFile(dir=sdist.parent, delete=False) as tmp:
         tmp.write(buf.getvalue())
+    os.chmod(tmp.name, sdist.stat().st_mode & 0o777)
     os.replace(tmp.name, sdist)
     return len(added), size
 

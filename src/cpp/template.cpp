@@ -583,7 +583,8 @@ void register_template(py::module_ & m) {
         .def("use_jinja", &core_template::use_jinja)
         .def("prompt_only_renders", &core_template::prompt_only_renders)
         .def("caps", &core_template::caps)
-        .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); })
+        .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); },
+             py::arg("variant"))
         .def("enable_thinking", &core_template::enable_thinking)
         .def("set_media", &core_template::set_media, py::arg("image"), py::arg("audio"), py::arg("video"))
         .def("props", &core_template::props)
