@@ -136,3 +136,37 @@ def test_the_subset_has_every_compiled_source_and_license():
     assert in_tree and in_tree <= files
     assert {"LICENSE", "CMakeLists.txt", ".llamaprompt-commit", "common/chat.cpp"} <= files
     assert any(f.startswith("models/templates/") for f in files)
+
+
+def test_configure_refuses_a_tree_that_is_not_the_locks(tmp_path):
+    """A third_party/llama.cpp left from another pin (or an sdist's subset of another commit)
+    stops configuration with the folder and both commits, before anything is compiled."""
+    cmake = shutil.which("cmake")
+    try:
+        import pybind11
+    except ImportError:
+        pybind11 = None
+    if cmake is None or pybind11 is None:
+        pytest.skip("needs cmake and pybind11 (the build requirements)")
+    src = tmp_path / "src"
+    (src / "third_party" / "llama.cpp").mkdir(parents=True)
+    for rel in ("CMakeLists.txt", "third_party/llama.cpp.lock", "third_party/fetch_llama_cpp.py"):
+        shutil.copyfile(ROOT / rel, src / rel)
+    tree = src / "third_party" / "llama.cpp"
+    (tree / "CMakeLists.txt").write_text("# a tree\n")
+    (tree / ".llamaprompt-commit").write_text("123456789\n")
+    proc = subprocess.run(
+        [cmake, "-S", str(src), "-B", str(tmp_path / "build"), f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+         f"-DPython_EXECUTABLE={sys.executable}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    out = " ".join((proc.stdout + proc.stderr).split())
+    pinned = _lock()["commit"]
+    assert f"{tree} holds llama.cpp 123456789" in out and pinned in out, out[-2000:]
+
+
+def _lock() -> dict:
+    import json
+
+    return json.loads((ROOT / "third_party" / "llama.cpp.lock").read_text())
