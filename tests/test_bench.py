@@ -65,6 +65,8 @@ def test_bench_cli_writes_report_json_and_plot(tmp_path, capsys):
 
 @pytest.mark.server
 def test_bench_times_an_http_peer():
+    pytest.importorskip("uvicorn", reason="`llamaprompt serve` needs the server extra (starlette, uvicorn)")
+    pytest.importorskip("starlette", reason="`llamaprompt serve` needs the server extra (starlette, uvicorn)")
     port = serve_load.free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "llamaprompt.cli", "serve", "--port", str(port), "--pinned", QWEN3],

@@ -138,9 +138,11 @@ def test_the_subset_has_every_compiled_source_and_license():
     assert any(f.startswith("models/templates/") for f in files)
 
 
-def test_configure_refuses_a_tree_that_is_not_the_locks(tmp_path):
+@pytest.mark.parametrize("marker", ["123456789", None], ids=["other-commit", "no-marker"])
+def test_configure_refuses_a_tree_that_is_not_the_locks(tmp_path, marker):
     """A third_party/llama.cpp left from another pin (or an sdist's subset of another commit)
-    stops configuration with the folder and both commits, before anything is compiled."""
+    stops configuration with the folder and both commits, before anything is compiled; a tree
+    put there by hand (no marker: its commit is unknown) is refused too, never labelled as the pin."""
     cmake = shutil.which("cmake")
     try:
         import pybind11
@@ -154,7 +156,8 @@ def test_configure_refuses_a_tree_that_is_not_the_locks(tmp_path):
         shutil.copyfile(ROOT / rel, src / rel)
     tree = src / "third_party" / "llama.cpp"
     (tree / "CMakeLists.txt").write_text("# a tree\n")
-    (tree / ".llamaprompt-commit").write_text("123456789\n")
+    if marker is not None:
+        (tree / ".llamaprompt-commit").write_text(marker + "\n")
     proc = subprocess.run(
         [cmake, "-S", str(src), "-B", str(tmp_path / "build"), f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
          f"-DPython_EXECUTABLE={sys.executable}"],
@@ -162,8 +165,10 @@ def test_configure_refuses_a_tree_that_is_not_the_locks(tmp_path):
     )
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())
-    pinned = _lock()["commit"]
-    assert f"{tree} holds llama.cpp 123456789" in out and pinned in out, out[-2000:]
+    if marker is None:
+        assert f"{tree} holds a llama.cpp tree that third_party/fetch_llama_cpp.py did not extract" in out, out[-2000:]
+    else:
+        assert f"{tree} holds llama.cpp {marker}" in out and _lock()["commit"] in out, out[-2000:]
 
 
 def _lock() -> dict:

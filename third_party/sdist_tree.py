@@ -138,7 +138,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--build-dir", type=Path, help="a build directory of the pinned tree (default: the only build/*/)")
     ap.add_argument("--list", action="store_true", help="print the files and change nothing")
     args = ap.parse_args(argv[1:])
+    if not args.list:
+        try:
+            with tarfile.open(args.sdist, "r:gz") as tar:
+                tar.getmembers()
+        except (OSError, EOFError, tarfile.TarError) as e:
+            sys.exit(f"{args.sdist}: not a readable .tar.gz sdist ({e})")
     build_dir = args.build_dir
+    if build_dir is not None and not (build_dir / "build.ninja").is_file():
+        sys.exit(f"{build_dir}: not a build directory (no build.ninja; `pip install .` makes one under build/)")
     if build_dir is None:
         found = [p.parent for p in (ROOT / "build").glob("*/build.ninja")]
         if len(found) != 1:
