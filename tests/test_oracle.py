@@ -204,6 +204,8 @@ def test_fixtures_cli(tmp_path):
 
 @pytest.fixture(scope="module")
 def server():
+    pytest.importorskip("starlette", reason="the HTTP server tests need the server extra (starlette, uvicorn)")
+    pytest.importorskip("uvicorn", reason="the HTTP server tests need the server extra (starlette, uvicorn)")
     from llamaprompt.server import create_app
 
     ref = load_reference("apply_template.json")
