@@ -81,8 +81,10 @@ def _missing(message: str):
 def load_reference(name: str) -> dict:
     folder = reference_dir()
     if folder is None:
-        _missing(f"no reference fixtures recorded from llama.cpp {llamaprompt.LLAMA_CPP_COMMIT} under "
-                 f"{shared_reference_dir()} (set LLAMAPROMPT_REFERENCE_DIR)")
+        _missing(
+            f"no reference fixtures recorded from llama.cpp {llamaprompt.LLAMA_CPP_COMMIT} under "
+            f"{shared_reference_dir()} (set LLAMAPROMPT_REFERENCE_DIR)"
+        )
     path = folder / name
     if not path.exists():
         _missing(f"reference fixtures not found: {path} (set LLAMAPROMPT_REFERENCE_DIR)")

@@ -41,8 +41,9 @@ def tree(tmp_path) -> Path:
 
 
 def _run(tree: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(tree), str(tmp_path / "out")],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(tree), str(tmp_path / "out")], capture_output=True, text=True
+    )
 
 
 def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
@@ -73,19 +74,33 @@ def test_unchanged_tree_configures_with_the_built_features(tree, tmp_path):
     ("rel", "old", "new", "expected"),
     [
         # a renamed call site
-        ("common/chat.cpp", "autoparser.analyze_template(tmpl)", "autoparser.analyze_template(tmpl, 1)",
-         ["common/chat.cpp", "'autoparser.analyze_template(tmpl)' not found"]),
+        (
+            "common/chat.cpp",
+            "autoparser.analyze_template(tmpl)",
+            "autoparser.analyze_template(tmpl, 1)",
+            ["common/chat.cpp", "'autoparser.analyze_template(tmpl)' not found"],
+        ),
         # llama-server fills server_chat_params from another source
-        ("tools/server/server-context.cpp", "/* media_path            */ params_base.media_path",
-         "/* media_path            */ params_base.media_dir",
-         ["server-context.cpp", "media_path=params_base.media_dir"]),
+        (
+            "tools/server/server-context.cpp",
+            "/* media_path            */ params_base.media_path",
+            "/* media_path            */ params_base.media_dir",
+            ["server-context.cpp", "media_path=params_base.media_dir"],
+        ),
         # a new input of the parser generation that the parser-inputs key does not cover
-        ("common/chat-auto-parser.h", "    json                                  extra_context;",
-         "    json                                  extra_context;\n    bool new_upstream_flag = false;",
-         ["generation_params fields changed (new: ['new_upstream_flag']"]),
+        (
+            "common/chat-auto-parser.h",
+            "    json                                  extra_context;",
+            "    json                                  extra_context;\n    bool new_upstream_flag = false;",
+            ["generation_params fields changed (new: ['new_upstream_flag']"],
+        ),
         # a vocab assert whose condition src/cpp/model.cpp checks first
-        ("src/llama-vocab.cpp", 'word = "[EMPTY_" + std::to_string(i) + "]";',
-         'word = "<EMPTY_" + std::to_string(i) + ">";', ["src/llama-vocab.cpp", "[EMPTY_"]),
+        (
+            "src/llama-vocab.cpp",
+            'word = "[EMPTY_" + std::to_string(i) + "]";',
+            'word = "<EMPTY_" + std::to_string(i) + ">";',
+            ["src/llama-vocab.cpp", "[EMPTY_"],
+        ),
     ],
     ids=["moved-call-site", "server-chat-params", "generation-params", "vocab-assert"],
 )
@@ -118,9 +133,12 @@ def test_rewrite_of_absent_code_is_skipped_with_what_is_lost(tree, tmp_path):
 
 
 def test_flag_that_exits_must_be_refused(tree, tmp_path):
-    _insert_before(tree / "common" / "arg.cpp", "    add_opt(common_arg(\n",
-                   '    add_opt(common_arg(\n        {"--print-something"},\n        "print and exit",\n'
-                   '        [](common_params &) {\n            exit(0);\n        }\n    ));\n')
+    _insert_before(
+        tree / "common" / "arg.cpp",
+        "    add_opt(common_arg(\n",
+        '    add_opt(common_arg(\n        {"--print-something"},\n        "print and exit",\n'
+        "        [](common_params &) {\n            exit(0);\n        }\n    ));\n",
+    )
     proc = _run(tree, tmp_path)
     assert proc.returncode == 1
     assert "--print-something call exit()" in proc.stderr and "server_args_refused.inc" in proc.stderr
@@ -142,8 +160,9 @@ def test_the_module_names_its_tree():
     described = llamaprompt.ChatTemplate("{{ messages[0].content }}").describe()
     assert described["llama_cpp_commit"] == llamaprompt.LLAMA_CPP_COMMIT
     assert described["llama_cpp_source"] == llamaprompt.LLAMA_CPP_SOURCE
-    out = subprocess.run([sys.executable, "-c", "from llamaprompt.cli import main; main(['--version'])"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "from llamaprompt.cli import main; main(['--version'])"], capture_output=True, text=True
+    )
     assert llamaprompt.LLAMA_CPP_COMMIT in out.stdout + out.stderr
 
 
@@ -164,9 +183,12 @@ def test_vocab_fields_are_read_from_the_tree(tree, tmp_path):
     schema = tree / "tools" / "server" / "server-schema.cpp"
     if not schema.exists():
         pytest.skip("this tree's request schema is server_task::params_from_json_cmpl")
-    _insert_before(schema, "    add((new field_",
-                   '    add((new field_str("new_token_field"))\n        ->set_handler([&](field_eval_context & ctx, '
-                   'const json & data) {\n            GGML_ASSERT(ctx.vocab != nullptr);\n        }));\n')
+    _insert_before(
+        schema,
+        "    add((new field_",
+        '    add((new field_str("new_token_field"))\n        ->set_handler([&](field_eval_context & ctx, '
+        "const json & data) {\n            GGML_ASSERT(ctx.vocab != nullptr);\n        }));\n",
+    )
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
     header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
@@ -187,11 +209,109 @@ def test_template_inputs_capture_points_are_probed(tree, tmp_path):
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert _features(tmp_path)["template_inputs"] is False
-    assert "not in this tree: common/chat.cpp: common_chat_template_direct_apply_impl" in (
-        tmp_path / "out" / "lp_tree.cmake"
-    ).read_text()
-    _edit(tree / "common" / "chat.cpp", "jinja::global_from_json(ctx, inp, inputs.mark_input);",
-          "jinja::global_from_json(ctx, inp, true);")
+    assert (
+        "not in this tree: common/chat.cpp: common_chat_template_direct_apply_impl"
+        in (tmp_path / "out" / "lp_tree.cmake").read_text()
+    )
+    _edit(
+        tree / "common" / "chat.cpp",
+        "jinja::global_from_json(ctx, inp, inputs.mark_input);",
+        "jinja::global_from_json(ctx, inp, true);",
+    )
     proc = _run(tree, tmp_path)
     assert proc.returncode == 1
     assert "common/chat.cpp" in proc.stderr and "jinja::global_from_json(ctx, inp, inputs.mark_input);" in proc.stderr
+
+
+def _info(tmp_path: Path) -> dict:
+    header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
+    line = next(x for x in header.splitlines() if x.startswith("#define LP_TREE_INFO_JSON "))
+    return json.loads(json.loads(line.split(" ", 2)[2]))
+
+
+def test_handler_probe_reads_each_handler(tree, tmp_path):
+    # facts from reading common/parsers/*.cpp: gemma4 appends to the prompt when it ends with
+    # "<turn|>\n" (outside a continuation), ling3 and minimax-m3 read the generation prompt
+    # after it is computed; every other handler's code after its prompt reads only
+    # non-message inputs
+    assert _run(tree, tmp_path).returncode == 0
+    verdicts = _info(tmp_path)["prompt_only_handlers"]
+    excluded = {n for n, v in verdicts.items() if v != "prompt-only"}
+    assert excluded == {
+        "common_chat_params_init_gemma4",
+        "common_chat_params_init_ling3",
+        "common_chat_params_init_minimax_m3",
+    }
+    assert "reads or changes the prompt" in verdicts["common_chat_params_init_gemma4"]
+    copy = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").read_text()
+    # the stop point, on the generation prompt's own line (line numbers kept by #line 1)
+    assert copy.splitlines()[1] == "#line 1"
+    original = (tree / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()
+    stop = [i for i, x in enumerate(copy.splitlines()[2:]) if "llamaprompt_prompt_ready(data.prompt, __func__);" in x]
+    assert len(stop) == 1 and "data.generation_prompt" in original[stop[0]]
+    assert not (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "gemma4.cpp").exists()
+
+
+@pytest.mark.parametrize(
+    ("inserted", "reason"),
+    [
+        ('    if (inputs.messages.size() > 3) { data.grammar = "x"; }\n', "reads the messages"),
+        ('    data.prompt += "!";\n', "reads or changes the prompt"),
+        ("    auto n = helper(inputs);\n", "passes the whole inputs on"),
+        ('    if (inputs.continue_msg.content.empty()) { data.grammar = ""; }\n', "not in the key"),
+    ],
+)
+def test_handler_that_reads_messages_after_its_prompt_runs_in_full(tree, tmp_path, inserted, reason):
+    rel = tree / "common" / "parsers" / "kimi-k3.cpp"
+    _insert_before(rel, "    auto parser = build_chat_peg_parser(", inserted)
+    assert _run(tree, tmp_path).returncode == 0
+    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_kimi_k3"]
+    assert reason in verdict
+    assert not (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").exists()
+
+
+def test_local_set_from_messages_before_the_prompt_excludes_the_handler(tree, tmp_path):
+    rel = tree / "common" / "parsers" / "kimi-k3.cpp"
+    _insert_before(
+        rel,
+        "    data.prompt            = common_chat_template_direct_apply_impl(",
+        "    bool many = inputs.messages.size() > 3;\n",
+    )
+    _insert_before(rel, "    auto parser = build_chat_peg_parser(", '    if (many) { data.grammar = "x"; }\n')
+    assert _run(tree, tmp_path).returncode == 0
+    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_kimi_k3"]
+    assert "'many'" in verdict
+
+
+def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
+    # a tree whose engine lacks a rewrite's pattern builds without it, with a message
+    _edit(
+        tree / "common" / "jinja" / "runtime.cpp",
+        "    auto builtins = global_builtins();\n",
+        "    auto builtins(global_builtins());\n",
+    )
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    engine = [r for r in info["rewrites"] if r.get("engine")]
+    assert len(engine) == 4
+    skipped = [r for r in engine if not r["applied"]]
+    assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
+    assert any("engine rewrite not applied" in n for n in info["notes"])
+    # the mirrored headers: byte for byte but for the rewritten function bodies
+    mirrored = tmp_path / "out" / "generated" / "mirror" / "common"
+    assert (mirrored / "chat.h").read_bytes() == (tree / "common" / "chat.h").read_bytes()
+    assert "env(mk_val<value_object>(*parent.env))" in (mirrored / "jinja" / "runtime.h").read_text()
+    # --no-engine-rewrites: upstream's engine as it is
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tree), str(tmp_path / "out"), "--no-engine-rewrites"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not [r for r in _info(tmp_path)["rewrites"] if r.get("engine") and r["applied"]]
+    for rel in ("jinja/runtime.h", "jinja/value.h"):
+        assert (mirrored / rel).read_bytes() == (tree / "common" / rel).read_bytes()
+    assert (
+        "auto builtins = input->get_builtins();" in (tmp_path / "out" / "generated" / "jinja-runtime.cpp").read_text()
+    )

@@ -25,6 +25,7 @@ QWEN3 = "Qwen-Qwen3-0.6B.jinja"
 
 def test_bench_cli_writes_report_json_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
+    pytest.importorskip("transformers")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(
         [
@@ -47,13 +48,14 @@ def test_bench_cli_writes_report_json_and_plot(tmp_path, capsys):
     assert table.startswith("| template |") and QWEN3 in table and "Median over 1 template " in table
     report = json.loads(out.read_text())
     (row,) = report["templates"]
-    assert set(row["renders_per_s"]) == {"llamaprompt", "upstream", "jinja2", "floor"}
-    for key in ("upstream", "jinja2", "floor_ratio", "thread_scaling"):
+    assert set(row["renders_per_s"]) == {"llamaprompt", "upstream", "jinja2", "transformers", "floor"}
+    for key in ("upstream", "jinja2", "transformers", "floor_ratio", "thread_scaling"):
         assert row["ratios"][key] > 0
     assert row["handler"] == "autoparser"
     reqs = row["requests"]
     # Qwen3's template prints a plain user turn exactly as llama.cpp does ...
     assert reqs["plain_chat"]["jinja2_same"] is True
+    assert reqs["plain_chat"]["transformers_same"] is True
     # ... but concatenates `content` as a string, so typed content parts (a list) raise in
     # Jinja2, where llama.cpp's normalizer joins them for this string-content template
     assert "jinja2_error" in reqs["typed_text_parts"] and reqs["typed_text_parts"]["ok"]
@@ -105,3 +107,16 @@ def test_transformers_jinja2_settings():
     assert t.render(x={"k": "é"}) == '{"k": "é"}'
     with pytest.raises(Exception, match="boom"):
         bench.transformers_jinja2("{{ raise_exception('boom') }}").render()
+
+
+def test_transformers_renderer_is_transformers_own():
+    pytest.importorskip("transformers")
+    render = bench.transformers_renderer(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+        "{{ bos_token }}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert render(messages=messages, add_generation_prompt=True, bos_token="<s>") == "<user>hi<a><s>"
+    assert render(messages=messages, add_generation_prompt=False, bos_token="") == "<user>hi"
+    with pytest.raises(Exception, match="boom"):
+        bench.transformers_renderer("{{ raise_exception('boom') }}")(messages=[], add_generation_prompt=False)

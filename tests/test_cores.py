@@ -93,8 +93,13 @@ def test_core_from_other_sources_is_refused(tmp_path, monkeypatch):
     folder = tmp_path / "cores" / "e3a74b299"
     folder.mkdir(parents=True)
     (folder / "_core.so").write_bytes(b"not a module")
-    meta = {"name": "0.3.30", "commit": "e3a74b299", "source": "llama-cpp-python 0.3.30 sdist",
-            "path": str(folder / "_core.so"), "source_hash": "0" * 64}
+    meta = {
+        "name": "0.3.30",
+        "commit": "e3a74b299",
+        "source": "llama-cpp-python 0.3.30 sdist",
+        "path": str(folder / "_core.so"),
+        "source_hash": "0" * 64,
+    }
     (folder / "core.json").write_text(json.dumps(meta))
     [core] = cores.installed_cores()
     assert not core.usable
@@ -198,8 +203,11 @@ def _recorded_differences(old: dict, new: dict) -> tuple[set, dict]:
             en = vn["templates"].get(tname)
             if en is None:
                 continue
-            changed = {k: [eo["caps"].get(k), en["caps"].get(k)] for k in sorted(set(eo["caps"]) | set(en["caps"]))
-                       if eo["caps"].get(k) != en["caps"].get(k)}
+            changed = {
+                k: [eo["caps"].get(k), en["caps"].get(k)]
+                for k in sorted(set(eo["caps"]) | set(en["caps"]))
+                if eo["caps"].get(k) != en["caps"].get(k)
+            }
             if changed:
                 caps[(tuple(vo["server_args"]), tname)] = changed
             for rname, co in eo["cases"].items():
@@ -223,8 +231,12 @@ def test_diff_versions_reports_what_the_recordings_differ_in(other_core, fname):
         names = list(variant["templates"])
         tok = old["model_tokens"]
         templates = file_templates(
-            [str(template_path(n)) for n in names], server_args=list(sargs), bos_token=tok["bos_token"],
-            eos_token=tok["eos_token"], add_bos=tok["add_bos"], add_eos=tok["add_eos"],
+            [str(template_path(n)) for n in names],
+            server_args=list(sargs),
+            bos_token=tok["bos_token"],
+            eos_token=tok["eos_token"],
+            add_bos=tok["add_bos"],
+            add_eos=tok["add_eos"],
             media_marker=old["media_marker"],
         )
         report = diff_versions(templates, from_core=OTHER, to_core=None, requests=old["requests"], progress=False)
@@ -245,8 +257,20 @@ def test_diff_versions_cli(other_core, tmp_path, capsys):
     name = "Qwen-Qwen3-0.6B.jinja"
     out = tmp_path / "diff.json"
     # the media requests render differently between these trees (typed content)
-    status = main(["diff-versions", "--from", OTHER, "--to", PIN_COMMIT, "-t", str(template_path(name)),
-                   "--json", str(out), "--no-progress"])
+    status = main(
+        [
+            "diff-versions",
+            "--from",
+            OTHER,
+            "--to",
+            PIN_COMMIT,
+            "-t",
+            str(template_path(name)),
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
     changed = report["summary"]["cases_changed"] + report["summary"]["caps_changed"]
@@ -254,8 +278,7 @@ def test_diff_versions_cli(other_core, tmp_path, capsys):
     assert text.splitlines()[0] == f"llama.cpp {OTHER} ({OTHER_COMMIT}) -> {report['to']['name']} ({PIN_COMMIT})"
     assert f"caps changed for {report['summary']['caps_changed']}" in text.splitlines()[-1]
     # the same core on both sides: nothing changes, exit 0
-    assert main(["diff-versions", "--from", OTHER, "--to", OTHER, "-t", str(template_path(name)),
-                 "--no-progress"]) == 0
+    assert main(["diff-versions", "--from", OTHER, "--to", OTHER, "-t", str(template_path(name)), "--no-progress"]) == 0
     assert "0 of 1 templates render differently on 0 of" in capsys.readouterr().out
     # a core that is not installed: exit 2 with the message
     assert main(["diff-versions", "--from", "0.0.1", "--to", OTHER, "--no-progress"]) == 2
@@ -345,9 +368,28 @@ def test_fixtures_from_another_core(other_core, tmp_path):
     requests.write_text(json.dumps(ref["requests"]))
     out = tmp_path / "fx.json"
     tok = ref["model_tokens"]
-    assert main(["fixtures", "--llama-cpp", OTHER, "-t", str(template_path(name)), "--requests", str(requests),
-                 "--bos-token", tok["bos_token"], "--eos-token", tok["eos_token"], "--add-bos",
-                 "--no-progress", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "fixtures",
+                "--llama-cpp",
+                OTHER,
+                "-t",
+                str(template_path(name)),
+                "--requests",
+                str(requests),
+                "--bos-token",
+                tok["bos_token"],
+                "--eos-token",
+                tok["eos_token"],
+                "--add-bos",
+                "--no-progress",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["llama_cpp_commit"] == OTHER_COMMIT and doc["llama_cpp_source"] == "llama-cpp-python 0.3.35 sdist"
     entry = doc["templates"][name]
@@ -372,8 +414,7 @@ def test_diff_versions_does_not_hide_what_it_could_not_compare(tmp_path, capsys)
     assert main(["diff-versions", "--from", here, "--to", here, "-t", str(bad), "--no-progress"]) == 2
     out = capsys.readouterr()
     assert "bad.jinja: fails to load on both" in out.out and "load on neither" in out.err
-    assert main(["diff-versions", "--from", here, "--to", here, "-t", good, "--no-progress", "--",
-                 "--bogus-flag"]) == 2
+    assert main(["diff-versions", "--from", here, "--to", here, "-t", good, "--no-progress", "--", "--bogus-flag"]) == 2
     assert "fails to load on both" in capsys.readouterr().out
     assert main(["diff-versions", "--from", here, "--to", here, "-t", good, "--no-progress"]) == 0
     text = capsys.readouterr().out
@@ -408,5 +449,9 @@ def test_stuck_worker_times_out(other_core, monkeypatch):
         with contextlib.suppress(ProcessLookupError):
             worker._proc.send_signal(signal.SIGCONT)
     worker._proc.wait(10)  # stopped by the timeout
-    assert llamaprompt.ChatTemplate("{{ 'y' }}", llama_cpp=OTHER).apply_template(
-        {"messages": [{"role": "user", "content": "Hi"}]}) == "y"
+    assert (
+        llamaprompt.ChatTemplate("{{ 'y' }}", llama_cpp=OTHER).apply_template(
+            {"messages": [{"role": "user", "content": "Hi"}]}
+        )
+        == "y"
+    )

@@ -21,6 +21,7 @@ import pytest
 
 import llamaprompt
 from conftest import load_reference, reference_cases, template_path
+from llamaprompt.pinned import pinned_templates
 
 FILES = ("apply_template.json", "apply_template_server_args.json")
 
@@ -82,8 +83,30 @@ def test_fast_path_changes_nothing(file, variant, name):
         got = many.apply_template_many([r for _, r in requests], threads=2, return_exceptions=True)
         assert [_prompt_outcome(g) for g in got] == expected_prompts, f"{name} (apply_template_many)"
     assert upstream._core.prompt_only_renders() == 0
-    # every template that renders at least one request without error on the autoparser path
-    # serves its second round from the memo
-    if prompts_only.describe()["handler"] == "autoparser" and any(e[0] == "ok" for e in expected_prompts):
-        assert prompts_only._core.prompt_only_renders() > 0, name
-        assert many._core.prompt_only_renders() > 0, name
+    # every template that renders at least one request without error, on the autoparser path
+    # or with a specialized handler that has a prompt-only stop point, serves its second round
+    # from the memo; the other handlers always run in full
+    d = prompts_only.describe()
+    prompt_only = d.get("prompt_only_path", d.get("prompt_only_path_with_tools"))
+    if prompt_only is not None and any(e[0] == "ok" for e in expected_prompts):
+        if prompt_only:
+            assert prompts_only._core.prompt_only_renders() > 0, name
+            assert many._core.prompt_only_renders() > 0, name
+        else:
+            assert prompts_only._core.prompt_only_renders() == 0, name
+    if d.get("specialized_handler"):  # the stop point passed is one the configure-time probe proved
+        assert llamaprompt.tree_info()["prompt_only_handlers"][d["specialized_handler"]] == "prompt-only"
+
+
+def test_fast_path_covers_the_specialized_handlers():
+    """Which pinned templates take the prompt-only path: every autoparser-path template,
+    and those whose specialized handler the probe proved (all but gemma4, ling3, minimax-m3)."""
+    covered, full = [], []
+    for path in pinned_templates():
+        d = llamaprompt.ChatTemplate.from_file(path).describe()
+        if "prompt_only_path" in d:
+            (covered if d["prompt_only_path"] else full).append(path.name)
+    assert len(covered) + len(full) >= 65
+    names = " ".join(full)
+    assert full and all(k in names for k in ("gemma-4", "ling", "MiniMax-M3")), full
+    assert not any(k in " ".join(covered) for k in ("gemma-4", "ling-3", "MiniMax-M3")), covered

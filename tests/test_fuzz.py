@@ -11,6 +11,7 @@ import pytest
 
 import llamaprompt
 from conftest import load_reference, template_path, vocab_gguf
+from fuzz_corpus import SNIPPETS, mutate_template
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
@@ -169,33 +170,8 @@ def test_raw_bodies_never_crash(text):
 # Pinned templates mutated by insertions of hostile or broken Jinja, deletions and
 # truncations, loaded and rendered in-process with small budgets: a prompt or a typed
 # error, never a crash (a recursion would kill this process) and never unbounded work.
+# The edits and snippets: tests/fuzz_corpus.py.
 
-SNIPPETS = [
-    b"{{",
-    b"}}",
-    b"{%",
-    b"%}",
-    b"{% endfor %}",
-    b"{% endif %}",
-    b"{% for m in messages %}",
-    b"{% if x %}",
-    b"{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
-    b"{{ 'ab' * 100000000 }}",
-    b"{% for i in range(100000000) %}{% endfor %}",
-    b"{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
-    b"{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-    b"{{ messages[1000] }}",
-    b"{{ raise_exception('fuzz') }}",
-    b"{{ messages|tojson }}",
-    b"{{ none.x.y }}",
-    b"{{ 1 / 0 }}",
-    b"{{ tools|map(attribute='x')|list }}",
-    b"{{ (messages|length) * 99999999999 }}",
-    b"\x00",
-    b"\xff\xfe",
-    b"\xc3",
-    b"{{ '\xe2\x82' }}",
-]
 
 template_sources = st.sampled_from(
     [
@@ -217,26 +193,10 @@ edits = st.lists(
 )
 
 
-def _mutate(src: bytes, ops) -> bytes:
-    for kind, where, snippet, raw in ops:
-        at = int(where * len(src))
-        if kind == "insert":  # after a tag or an output, so that the result often still parses
-            ends = [i + 2 for i in range(len(src) - 1) if src[i : i + 2] in (b"%}", b"}}")] or [at]
-            at = ends[min(int(where * len(ends)), len(ends) - 1)]
-            src = src[:at] + SNIPPETS[snippet] + src[at:]
-        elif kind == "delete":
-            src = src[:at] + src[at + 1 + snippet * 7 :]
-        elif kind == "truncate":
-            src = src[:at]
-        else:
-            src = src[:at] + raw + src[at:]
-    return src
-
-
 @settings(max_examples=max(20, EXAMPLES // 5), deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=template_sources, ops=edits)
 def test_mutated_templates_never_crash(name, ops):
-    src = _mutate(template_path(name).read_bytes(), ops)
+    src = mutate_template(template_path(name).read_bytes(), ops)
     try:
         t = llamaprompt.ChatTemplate(src, timeout=0.5, max_output_bytes=1 << 20)
     except llamaprompt.TemplateError as e:

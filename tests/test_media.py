@@ -106,8 +106,9 @@ def test_serve_props_follow_the_switch():
     with serving(create_app({"qwen": _qwen(media=False)})) as url:
         with urllib.request.urlopen(f"{url}/props", timeout=30) as r:
             assert json.loads(r.read())["modalities"] == {"vision": False, "audio": False, "video": False}
-        req = urllib.request.Request(f"{url}/apply-template", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{url}/apply-template", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=30)
         assert info.value.code == 500

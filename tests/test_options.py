@@ -49,8 +49,9 @@ def test_constructors_take_exactly_the_options():
 
 
 def test_every_option_survives_pickling_with_caps_and_the_sandbox():
-    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), bos_token="<s>", add_bos=True,
-                                           **NON_DEFAULT)
+    t = llamaprompt.ChatTemplate.from_file(
+        template_path("Qwen-Qwen3-0.6B.jinja"), bos_token="<s>", add_bos=True, **NON_DEFAULT
+    )
     want = Options.make(None, **NON_DEFAULT)
     assert t._opts == want
     again = pickle.loads(pickle.dumps(t))
@@ -59,8 +60,9 @@ def test_every_option_survives_pickling_with_caps_and_the_sandbox():
     assert forced._opts == want.replace(None, caps={"supports_typed_content": True, "supports_system_role": False})
     assert forced._tokens == t._tokens
     request = {"messages": [{"role": "user", "content": "Hi"}]}
-    with UntrustedTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), bos_token="<s>", add_bos=True,
-                                     **NON_DEFAULT) as u:
+    with UntrustedTemplate.from_file(
+        template_path("Qwen-Qwen3-0.6B.jinja"), bos_token="<s>", add_bos=True, **NON_DEFAULT
+    ) as u:
         assert u._build[-1] == want  # the sandbox ships the same object to its worker
         assert u.apply_template(request) == t.apply_template(request)
         assert u.props()["modalities"] == t.props()["modalities"] == {"vision": True, "video": False, "audio": False}
@@ -73,9 +75,15 @@ def test_gguf_options_survive_pickling():
 
 
 def test_bad_options_are_refused_once_for_all_paths():
-    for bad, exc in (({"handler": "x"}, ValueError), ({"timeout": 0}, ValueError), ({"max_tools": -1}, ValueError),
-                     ({"server_args": "--jinja"}, TypeError), ({"media_marker": 1}, TypeError),
-                     ({"no_such_option": 1}, TypeError), ({"media": ["smell"]}, ValueError)):
+    for bad, exc in (
+        ({"handler": "x"}, ValueError),
+        ({"timeout": 0}, ValueError),
+        ({"max_tools": -1}, ValueError),
+        ({"server_args": "--jinja"}, TypeError),
+        ({"media_marker": 1}, TypeError),
+        ({"no_such_option": 1}, TypeError),
+        ({"media": ["smell"]}, ValueError),
+    ):
         with pytest.raises(exc):
             Options.make(None, **bad)
         with pytest.raises(exc):

@@ -118,8 +118,11 @@ def test_the_subset_probes_as_the_whole_tree(tmp_path):
     outs = {}
     for name, tree in (("whole", TREE), ("subset", part)):
         out = tmp_path / f"out-{name}"
-        proc = subprocess.run([sys.executable, str(ROOT / "third_party" / "adapt_tree.py"), str(tree), str(out)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "third_party" / "adapt_tree.py"), str(tree), str(out)],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stderr
         outs[name] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert outs["whole"] == outs["subset"]
@@ -131,8 +134,11 @@ def test_the_subset_has_every_compiled_source_and_license():
     import json
 
     compiled = {e["file"] for e in json.loads((build_dir / "compile_commands.json").read_text())}
-    in_tree = {Path(f).resolve().relative_to(TREE.resolve()).as_posix() for f in compiled
-               if Path(f).resolve().is_relative_to(TREE.resolve())}
+    in_tree = {
+        Path(f).resolve().relative_to(TREE.resolve()).as_posix()
+        for f in compiled
+        if Path(f).resolve().is_relative_to(TREE.resolve())
+    }
     assert in_tree and in_tree <= files
     assert {"LICENSE", "CMakeLists.txt", ".llamaprompt-commit", "common/chat.cpp"} <= files
     assert any(f.startswith("models/templates/") for f in files)
@@ -159,9 +165,18 @@ def test_configure_refuses_a_tree_that_is_not_the_locks(tmp_path, marker):
     if marker is not None:
         (tree / ".llamaprompt-commit").write_text(marker + "\n")
     proc = subprocess.run(
-        [cmake, "-S", str(src), "-B", str(tmp_path / "build"), f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-         f"-DPython_EXECUTABLE={sys.executable}"],
-        capture_output=True, text=True, timeout=300,
+        [
+            cmake,
+            "-S",
+            str(src),
+            "-B",
+            str(tmp_path / "build"),
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0
     out = " ".join((proc.stdout + proc.stderr).split())

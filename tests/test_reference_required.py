@@ -16,9 +16,21 @@ def _pytest(tmp_path, require: bool) -> subprocess.CompletedProcess:
     if require:
         env["LLAMAPROMPT_REQUIRE_REFERENCE"] = "1"
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_reference.py",
-         "tests/test_gguf.py::test_reference_model"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_reference.py",
+            "tests/test_gguf.py::test_reference_model",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

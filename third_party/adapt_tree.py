@@ -2,7 +2,7 @@
 
 Run by CMakeLists.txt at configure time (standard library only):
 
-    python third_party/adapt_tree.py TREE OUT_DIR
+    python third_party/adapt_tree.py TREE OUT_DIR [--no-engine-rewrites]
 
 It decides by what the tree *has* (files, declarations, exact call sites), never by a
 version number, and fails loudly -- exit status 1, naming the file and the text -- rather
@@ -17,6 +17,11 @@ than let the build compile something that behaves differently:
   stated. A rewrite whose target is missing is skipped, with a message saying what is lost,
   only when the tree lacks what it guards altogether; if the guarded code is there but the
   pattern has moved, configuration fails.
+* engine rewrites: behaviour-preserving edits of llama.cpp's Jinja engine, for speed only
+  (docs/performance.md lists each with its measured gain). Each is optional -- a tree where
+  its pattern is not found exactly as stated builds without it, with a message -- and
+  ``--no-engine-rewrites`` (CMake: LLAMAPROMPT_ENGINE_REWRITES=OFF) leaves them all out:
+  the unmodified engine, for the differential run (benchmarks/engine_differential.py).
 * drift checks: upstream logic that llamaprompt's own code restates (how llama-server
   fills ``server_chat_params``, the flags whose handlers exit, the vocab conditions that
   llama.cpp asserts, the fields the parser-inputs key covers, the prompt-only path's
@@ -161,12 +166,16 @@ class Edit:
     # (file, text): the code this edit guards; when absent from the tree the edit is skipped
     requires: tuple[str, str] | None = None
     lost: str = ""  # what a tree without it loses (the configure message)
+    # an engine rewrite (docs/performance.md): behaviour-preserving, for speed only -- what it
+    # saves. Optional: a tree without the pattern (or with it a different number of times)
+    # builds without it; LLAMAPROMPT_ENGINE_REWRITES=OFF builds without any (the differential run)
+    speed: str = ""
 
 
 @dataclass
 class Rewrite:
     rel: str  # upstream file
-    out: str  # generated copy's name
+    out: str  # generated copy's name ("": a header, in generated/mirror/<rel>)
     edits: list[Edit]
 
 
@@ -205,6 +214,14 @@ REWRITES = [
         Edit("auto & right_arr = right_val->as_array()",
              "auto & right_arr = (llamaprompt_list_concat_guard(left_arr, right_val->as_array()), "
              "right_val->as_array())"),
+        # engine rewrites: the built-in tables are static maps (of std::function); a variable
+        # lookup and each filter / method call copied the whole table to look one name up
+        Edit("    auto builtins = global_builtins();\n",
+             "    const auto & builtins = global_builtins();\n",
+             speed="identifier lookup: a copy of the global built-ins map (~40 std::function) per lookup"),
+        Edit("    auto builtins = input->get_builtins();\n",
+             "    const auto & builtins = input->get_builtins();\n",
+             speed="filter / method call: a copy of the type's built-ins map per call"),
     ]),
     Rewrite("common/jinja/parser.cpp", "jinja-parser.cpp", [
         Edit("return parse_jinja_statement()", "return llamaprompt::jinja_guard_step(), parse_jinja_statement()"),
@@ -245,14 +262,238 @@ REWRITES = [
 ]
 
 
-def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str]) -> list[dict]:
+# Engine rewrites in headers (common/jinja/*.h): compiled by every _core file through the
+# mirror of the tree's common/ headers (mirror_headers). Function bodies only, never a class
+# layout: the llama-common objects compiled with the tree's headers stay compatible.
+HEADER_REWRITES = [
+    Rewrite("common/jinja/runtime.h", "", [
+        # a new scope (every `for` iteration, macro call, call block) re-inserted each variable of
+        # its parent -- hashing each key twice -- after building six constants and a string that
+        # the parent's variables then replace: its variables are exactly the parent's, in the
+        # parent's order (every scope's list begins with the same six constants, entries are only
+        # ever replaced in place). The visitor is not inherited, as before.
+        Edit("""    context(const context & parent) : context() {
+        // inherit variables (for example, when entering a new scope)
+        auto & pvar = parent.env->as_ordered_object();
+        for (const auto & pair : pvar) {
+            set_val(pair.first, pair.second);
+        }
+        current_time = parent.current_time;
+        is_get_stats = parent.is_get_stats;
+        src = parent.src;
+    }
+""", """    context(const context & parent)
+        : src(parent.src), current_time(parent.current_time), is_get_stats(parent.is_get_stats),
+          env(mk_val<value_object>(*parent.env)) {
+        // inherit variables (for example, when entering a new scope): the parent's, in its order
+        // (which begins with the constants every scope defines), copied without re-inserting each
+        env->stats = value_t::stats_t();
+    }
+""", speed="new scope (each for-loop iteration, macro call): the parent's variables copied, not re-inserted "
+           "one by one after six constants"),
+        # a variable lookup built an `undefined` default value (a string copy and a value
+        # object), found or not, and looked the key up twice
+        Edit("""    value get_val(const std::string & name) {
+        value default_val = mk_val<value_undefined>(name);
+        return env->at(name, default_val);
+    }
+""", """    value get_val(const std::string & name) {
+        // the variable, or `undefined` (built only for a missing name): env is a plain object
+        value key = mk_val<value_string>(name);
+        auto it = env->unordered.find(key);
+        return it != env->unordered.end() ? it->second : mk_val<value_undefined>(name);
+    }
+""", speed="variable lookup: no `undefined` value built for a found name, one hash lookup instead of two"),
+    ]),
+]
+
+
+def mirror_headers(tree: Tree, out_dir: Path, rewritten: dict[str, str]) -> None:
+    """generated/mirror/common: every header of the tree's common/ (byte for byte, or rewritten).
+
+    _core includes common/ from here, so that each of its files sees the same (rewritten)
+    headers, whichever header includes which."""
+    mirror = out_dir / "generated" / "mirror"
+    wanted: set[Path] = set()
+    for path in sorted((tree.root / "common").rglob("*")):
+        if path.suffix not in (".h", ".hpp") or not path.is_file():
+            continue
+        rel = path.relative_to(tree.root).as_posix()
+        text = rewritten.get(rel)
+        if text is None:
+            text = tree.read(rel)
+        target = mirror / rel
+        wanted.add(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists() or target.read_text(encoding="utf-8", errors="surrogateescape") != text:
+            target.write_text(text, encoding="utf-8", errors="surrogateescape")
+    if mirror.exists():
+        for stale in [p for p in mirror.rglob("*") if p.suffix in (".h", ".hpp") and p not in wanted]:
+            stale.unlink()
+
+
+# ---------------------------------------------------------------------------
+# the prompt-only path of specialized handlers
+# ---------------------------------------------------------------------------
+# A specialized handler (common/parsers/*.cpp, `common_chat_params_init_<name>`) renders the
+# prompt, then the generation prompt (two more renders), then builds its parser and grammar.
+# Where the code after the prompt is computed provably reads neither the messages nor the
+# prompt -- only non-message inputs, which the parser-inputs key covers -- the build-tree copy
+# of the handler's file calls llamaprompt_prompt_ready(data.prompt) at that point: with
+# apply_template's prompt-only path on and these inputs known good, the handler stops there
+# (src/cpp/shim_chat.cpp). The probe is per handler, on its text (comments and literals
+# blanked); a handler it cannot prove runs in full, as before.
+
+HANDLER_DIR = "common/parsers"
+HANDLER_DEF = re.compile(r"common_chat_params\s+(common_chat_params_init_\w+)\s*\([^)]*\)\s*\{")
+STOP_STATEMENT = re.compile(r"\bdata\.generation_prompt\s*=(?!=)")
+CONTINUATION_BLOCK = re.compile(r"if\s*\(\s*inputs\.has_continuation\(\)\s*\)\s*\{")
+PROMPT_READY = "llamaprompt_prompt_ready(data.prompt, __func__); "
+IDENT = r"(?<![.>:\w])[A-Za-z_]\w*\b"
+# names that are not a handler's locals (keywords, types, its parameters and result)
+NOT_LOCALS = {"auto", "const", "static", "constexpr", "bool", "int", "size_t", "if", "else", "for", "while",
+              "return", "true", "false", "nullptr", "std", "json", "ordered_json", "string", "data", "inputs", "tmpl"}
+
+
+def code_only(text: str) -> str:
+    """``text`` with comments and the insides of string / character literals blanked (same
+    length, same line breaks), so that code patterns match code only."""
+    out, i, n = list(text), 0, len(text)
+
+    def blank(a: int, b: int) -> None:
+        for k in range(a, min(b, n)):
+            if out[k] != "\n":
+                out[k] = " "
+
+    while i < n:
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+        elif (raw := re.match(r'R"([^(\s]*)\(', text[i:i + 20])) is not None:
+            end = text.find(")" + raw.group(1) + '"', i)
+            j = n if end < 0 else end + len(raw.group(1)) + 2
+            blank(i + 1, j - 1)
+            i = j
+            continue
+        elif text[i] in "\"'":
+            j = i + 1
+            while j < n and text[j] != text[i]:
+                j += 2 if text[j] == "\\" else 1
+            blank(i + 1, j)
+            i = j + 1
+            continue
+        else:
+            i += 1
+            continue
+        blank(i, j)
+        i = j
+    return "".join(out)
+
+
+def _block_end(code: str, open_at: int) -> int:
+    depth = 0
+    for i in range(open_at, len(code)):
+        if code[i] == "{":
+            depth += 1
+        elif code[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
+def _prompt_only_problems(body: str, stop: re.Match) -> list[str]:
+    """Why the handler body cannot stop at ``stop`` (empty: it can)."""
+    before = body[:stop.start()]
+    problems = []
+    if before.count("{") != before.count("}"):
+        problems.append("the generation prompt is not assigned at the function's top level")
+    end = body.find(";", stop.end())
+    after = body[end + 1:]
+    cont = CONTINUATION_BLOCK.search(after)
+    if cont:  # a continuation never takes the prompt-only path
+        close = _block_end(after, cont.end() - 1)
+        after = after[:cont.start()] + after[close + 1:]
+    for pattern, what in ((r"\bdata\.prompt\b", "reads or changes the prompt"),
+                          (r"\bdata\.generation_prompt\b", "reads the generation prompt"),
+                          (r"\bmessages\b", "reads the messages"),
+                          (r"\b(try|catch)\b", "catches exceptions"),
+                          (r"\binputs\b(?!\s*\.)", "passes the whole inputs on")):
+        if re.search(pattern, after):
+            problems.append(f"after the prompt, it {what}")
+    if re.search(r"\b(try|catch)\b", before):
+        problems.append("it catches exceptions")
+    unkeyed = set(re.findall(r"\binputs\s*\.\s*(\w+)", after)) - KEYED_FIELDS
+    if unkeyed:
+        problems.append(f"after the prompt, it reads inputs.{', inputs.'.join(sorted(unkeyed))} (not in the key)")
+    # locals set before the prompt and read after it must not come from the messages
+    for name in sorted(set(re.findall(IDENT, before)) & set(re.findall(IDENT, after)) - NOT_LOCALS):
+        for m in re.finditer(r"(?<![.>:\w])" + name + r"\s*(?:[-+|&]?=(?!=)|\{)", before):
+            start = max(before.rfind(";", 0, m.start()), before.rfind("{", 0, m.start()),
+                        before.rfind("}", 0, m.start())) + 1
+            statement = before[start:before.find(";", m.end())]
+            depth = before[:m.start()].count("{") - before[:m.start()].count("}")
+            if "messages" in statement or depth != 0:
+                problems.append(f"'{name}', read after the prompt, is set from the messages or in a nested block")
+    return problems
+
+
+def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list["Rewrite"], dict[str, str]]:
+    """(the handler files' rewrites, {handler: "prompt-only" or why not})."""
+    rewrites, verdicts = [], {}
+    folder = tree.root / HANDLER_DIR
+    for path in sorted(folder.glob("*.cpp")) if folder.is_dir() else []:
+        rel = f"{HANDLER_DIR}/{path.name}"
+        text = tree.read(rel)
+        code = code_only(text)
+        edits = []
+        for m in HANDLER_DEF.finditer(code):
+            name = m.group(1)
+            open_at = m.end() - 1
+            close = _block_end(code, open_at)
+            body = code[open_at + 1:close]
+            stop = STOP_STATEMENT.search(body)
+            problems = ["no generation prompt assigned"] if stop is None else _prompt_only_problems(body, stop)
+            if problems:
+                verdicts[name] = "; ".join(problems)
+                continue
+            at = open_at + 1 + stop.start()
+            # the statement's own text, unique in the file with its line's start
+            line_start = text.rfind("\n", 0, at) + 1
+            old = text[line_start:text.find("\n", at)]
+            if text.count(old) != 1:
+                verdicts[name] = "its generation-prompt line is not unique in the file"
+                continue
+            edits.append(Edit(old, old[:at - line_start] + PROMPT_READY + old[at - line_start:]))
+            verdicts[name] = "prompt-only"
+        if edits:
+            rewrites.append(Rewrite(rel, f"mirror/{rel}", edits))
+    if not verdicts:
+        notes.append(f"{HANDLER_DIR}: no specialized handler files in this tree; none takes the prompt-only path")
+    return rewrites, verdicts
+
+
+def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites: bool = True,
+                   handlers: list[Rewrite] | None = None) -> list[dict]:
     applied = []
-    for rw in REWRITES:
+    headers: dict[str, str] = {}
+    for rw in REWRITES + HEADER_REWRITES + (handlers or []):
         text = tree.read(rw.rel)
         for e in rw.edits:
             n = text.count(e.old)
             record = {"file": rw.rel, "pattern": e.old, "applied": False}
-            if n == e.count:
+            if e.speed:
+                record["engine"] = e.speed
+            if e.speed and not engine_rewrites:
+                record["skipped"] = "off (LLAMAPROMPT_ENGINE_REWRITES=OFF)"
+            elif e.speed and n != e.count:
+                notes.append(f"{rw.rel}: engine rewrite not applied ('{e.old.strip()}' occurs {n} times, "
+                             f"expected {e.count}); the engine is upstream's there (slower: {e.speed})")
+                record["skipped"] = f"pattern occurs {n} times"
+            elif n == e.count:
                 text = text.replace(e.old, e.new)
                 record["applied"] = True
             elif n == 0 and e.requires and not tree.contains(*e.requires):
@@ -267,9 +508,16 @@ def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str]) -> list[dict]:
                 raise TreeError(f"{rw.rel}: '{e.old}' occurs {n} times, expected {e.count}: "
                                 "llamaprompt must be adapted to this tree")
             applied.append(record)
+        if not rw.out:  # a header: written by mirror_headers
+            headers[rw.rel] = text
+            continue
+        if rw.rel.startswith(HANDLER_DIR + "/"):  # the stop point's declaration; line numbers kept
+            text = '#include "lp_prompt_ready.h"  // llamaprompt: see adapt_tree.py handler_rewrites\n#line 1\n' + text
+        (out_dir / "generated" / rw.out).parent.mkdir(parents=True, exist_ok=True)
         target = out_dir / "generated" / rw.out
         if not target.exists() or target.read_text(encoding="utf-8", errors="surrogateescape") != text:
             target.write_text(text, encoding="utf-8", errors="surrogateescape")
+    mirror_headers(tree, out_dir, headers)
     return applied
 
 
@@ -478,6 +726,8 @@ def cmake_str(s: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    engine_rewrites = "--no-engine-rewrites" not in argv
+    argv = [a for a in argv if a != "--no-engine-rewrites"]
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
@@ -487,7 +737,8 @@ def main(argv: list[str]) -> int:
     notes: list[str] = []
     try:
         features = probe_features(tree)
-        rewrites = apply_rewrites(tree, out, notes)
+        handlers, verdicts = handler_rewrites(tree, notes)
+        rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers)
         server_chat_params_check(tree)
         server_main_check(tree)
         exiting_flags_check(tree)
@@ -509,7 +760,7 @@ def main(argv: list[str]) -> int:
 
     info = {"features": {k: v["present"] for k, v in features.items()},
             "feature_docs": {k: v["what"] for k, v in features.items()},
-            "rewrites": rewrites, "notes": notes, "vocab_fields": fields}
+            "rewrites": rewrites, "notes": notes, "vocab_fields": fields, "prompt_only_handlers": verdicts}
     header = ["// generated by third_party/adapt_tree.py from the llama.cpp tree's contents", "#pragma once"]
     for name, f in features.items():
         header.append(f"#define LP_HAS_{name.upper()} {int(f['present'])}")
@@ -523,7 +774,9 @@ def main(argv: list[str]) -> int:
     cmake = [f"set(LP_TREE_SOURCES {' '.join(sources)})"]
     # the upstream files whose build-tree copies src/cpp/shim_*.cpp compile into _core (every
     # definition of each is in its copy): CMakeLists.txt does not compile them again in llama-common
-    cmake.append(f"set(LP_COPIED_SOURCES {' '.join(rw.rel for rw in REWRITES)})")
+    cmake.append(f"set(LP_COPIED_SOURCES {' '.join(rw.rel for rw in REWRITES + handlers)})")
+    # the handler files with a prompt-only stop point: _core compiles their copies
+    cmake.append(f"set(LP_HANDLER_COPIES {' '.join(rw.out for rw in handlers)})")
     cmake += [f"message(STATUS {cmake_str('llamaprompt: ' + n)})" for n in notes]
     (out / "lp_tree.cmake").write_text("\n".join(cmake) + "\n")
     (out / "generated" / "lp_tree_inputs.txt").write_text("".join(f"{rel}\n" for rel in sorted(tree.inputs)))

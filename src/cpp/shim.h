@@ -49,6 +49,8 @@ struct handler_state {
     bool prompt_only = false;
     parser_memo * memo = nullptr;
     bool prompt_only_used = false;  // out: the prompt-only path was taken
+    bool stop_at_prompt = false;    // a specialized handler ends at its prompt (lp_prompt_ready.h)
+    const char * stop_point = nullptr;  // out: the specialized handler that passed its stop point
     // in (benchmarks): called with the template and generation_params the autoparser path renders
     std::function<void(const common_chat_template &, const autoparser::generation_params &)> on_generate;
     // in (template_inputs): each render of this request -- its Jinja context, as

@@ -9,6 +9,7 @@
 #include "chat.h"
 #include "jinja_guard.h"
 #include "log.h"
+#include "lp_prompt_ready.h"
 #include "peg-parser.h"
 #include "shim.h"
 #include "tree.h"
@@ -23,15 +24,73 @@ namespace llamaprompt {
 thread_local handler_state * current_handler = nullptr;
 }
 
+namespace llamaprompt {
+// thrown by llamaprompt_prompt_ready in a handler asked to stop at its prompt
+struct prompt_ready {
+    std::string prompt;
+};
+static std::string parser_inputs_key(const common_chat_template & tmpl, const autoparser::generation_params & p);
+static bool prompt_only_applies(const autoparser::generation_params & params);
+struct parser_memo;
+static bool memo_knows(parser_memo & memo, const std::string & key);
+static void memo_add(parser_memo & memo, std::string key);
+}  // namespace llamaprompt
+
+void llamaprompt_prompt_ready(const std::string & prompt, const char * handler) {
+    using llamaprompt::current_handler;
+    if (current_handler) {
+        current_handler->stop_point = handler;
+    }
+    if (current_handler && current_handler->stop_at_prompt) {
+        current_handler->stop_at_prompt = false;
+        throw llamaprompt::prompt_ready{prompt};
+    }
+}
+
+// the call of common_chat_try_specialized_template in common_chat_templates_apply_jinja.
+// The prompt-only path (as llamaprompt_generate_parser's below, for the handlers whose file
+// has a stop point): once a handler produced its params without error for these non-message
+// inputs, it stops at its prompt for other messages.
 static std::optional<common_chat_params> llamaprompt_try_specialized_template(
     const common_chat_template & tmpl, const std::string & src, autoparser::generation_params & params) {
-    using llamaprompt::current_handler;
-    if (current_handler && current_handler->skip_specialized) {
+    using namespace llamaprompt;
+    handler_state * st = current_handler;
+    if (st && st->skip_specialized) {
         return std::nullopt;
     }
-    std::optional<common_chat_params> result = common_chat_try_specialized_template(tmpl, src, params);
-    if (current_handler) {
-        current_handler->specialized_used = result.has_value();
+    std::string key;
+    if (st && st->memo && llamaprompt::prompt_only_applies(params)) {
+        try {
+            key = "handler\x1f" + parser_inputs_key(tmpl, params);
+        } catch (const std::exception &) {
+            key.clear();  // not serializable: the full path decides
+        }
+    }
+    std::optional<common_chat_params> result;
+    if (!key.empty() && st->prompt_only && memo_knows(*st->memo, key)) {
+        st->stop_at_prompt = true;
+        try {
+            result = common_chat_try_specialized_template(tmpl, src, params);
+        } catch (prompt_ready & ready) {
+            st->stop_at_prompt = false;
+            st->specialized_used = true;
+            st->prompt_only_used = true;
+            common_chat_params data;
+            data.prompt = std::move(ready.prompt);
+            return data;
+        } catch (...) {
+            st->stop_at_prompt = false;
+            throw;
+        }
+        st->stop_at_prompt = false;  // this handler has no stop point: it ran in full
+    } else {
+        result = common_chat_try_specialized_template(tmpl, src, params);
+    }
+    if (st) {
+        st->specialized_used = result.has_value();
+    }
+    if (result && !key.empty()) {
+        memo_add(*st->memo, std::move(key));
     }
     return result;
 }
@@ -205,6 +264,27 @@ static std::string parser_inputs_key(const common_chat_template & tmpl, const au
     return key;
 }
 
+// only when the prompt is exactly the full path's first render: no continuation (which
+// appends to it), and the generation prompt's own render is the same call; not at debug
+// verbosity (chat.cpp then dumps the generated parser)
+static bool prompt_only_applies(const autoparser::generation_params & params) {
+    return params.add_generation_prompt && params.continue_final_message == COMMON_CHAT_CONTINUATION_NONE &&
+           common_log_get_verbosity_thold() < LOG_LEVEL_DEBUG;
+}
+
+static bool memo_knows(parser_memo & memo, const std::string & key) {
+    std::lock_guard<std::mutex> lock(memo.mutex);
+    return memo.ok.count(key) > 0;
+}
+
+static void memo_add(parser_memo & memo, std::string key) {
+    std::lock_guard<std::mutex> lock(memo.mutex);
+    if (memo.ok.size() >= parser_memo::max_entries) {
+        memo.ok.clear();
+    }
+    memo.ok.insert(std::move(key));
+}
+
 }  // namespace llamaprompt
 
 // replaces the call of autoparser::peg_generator::generate_parser in
@@ -219,37 +299,22 @@ static common_chat_params llamaprompt_generate_parser(const common_chat_template
     }
     parser_memo * memo = st ? st->memo : nullptr;
     std::string key;
-    // only when the prompt is exactly generate_parser's first render: no continuation
-    // (which appends to it), and the generation prompt's own render is the same call;
-    // not at debug verbosity (chat.cpp then dumps the generated parser)
-    if (memo && params.add_generation_prompt && params.continue_final_message == COMMON_CHAT_CONTINUATION_NONE &&
-        common_log_get_verbosity_thold() < LOG_LEVEL_DEBUG) {
+    if (memo && prompt_only_applies(params)) {
         try {
             key = parser_inputs_key(tmpl, params);
         } catch (const std::exception &) {
             key.clear();  // not serializable: the full path decides
         }
     }
-    if (!key.empty() && st->prompt_only) {
-        bool known;
-        {
-            std::lock_guard<std::mutex> lock(memo->mutex);
-            known = memo->ok.count(key) > 0;
-        }
-        if (known) {
-            common_chat_params data;
-            data.prompt = common_chat_template_direct_apply(tmpl, params);
-            st->prompt_only_used = true;
-            return data;
-        }
+    if (!key.empty() && st->prompt_only && memo_knows(*memo, key)) {
+        common_chat_params data;
+        data.prompt = common_chat_template_direct_apply(tmpl, params);
+        st->prompt_only_used = true;
+        return data;
     }
     common_chat_params data = autoparser::peg_generator::generate_parser(tmpl, params, ap);
     if (!key.empty()) {
-        std::lock_guard<std::mutex> lock(memo->mutex);
-        if (memo->ok.size() >= parser_memo::max_entries) {
-            memo->ok.clear();
-        }
-        memo->ok.insert(std::move(key));
+        memo_add(*memo, std::move(key));
     }
     return data;
 }

@@ -348,6 +348,8 @@ class core_template {
             result["chat_params"] = chat_params_to_json(res.chat_params);
             // which path common_chat_templates_apply_jinja took (for describe())
             result["specialized_handler"] = st.specialized_used;
+            // the specialized handler's name when it has a prompt-only stop point (lp_prompt_ready.h)
+            result["prompt_stop_point"] = st.stop_point ? json(st.stop_point) : json(nullptr);
             return out_t{dump_safe(result), res.chat_params.prompt, res.chat_params.generation_prompt};
         });
         // a template can cut a multi-byte character: the prompts keep their bytes (as

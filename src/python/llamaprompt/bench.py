@@ -13,6 +13,10 @@ per-call time of:
   ``loopcontrols``, ``tojson`` without ASCII escaping, ``raise_exception``,
   ``strftime_now``); its prompts are compared with llamaprompt's and the requests where
   they differ or Jinja2 raises are counted;
+- ``transformers`` -- transformers' own renderer,
+  ``transformers.utils.chat_template_utils.render_jinja_template`` (what
+  ``apply_chat_template`` runs: its data conversion, reasoning-field aliases and compiled-
+  template cache included), compared and counted as Jinja2 is;
 - ``server`` -- llama-server over HTTP (keep-alive), when ``server_url`` points at one;
   only for the template that server reports in GET /props;
 - ``floor`` -- one plain execution of the template in llama.cpp's Jinja engine
@@ -66,7 +70,10 @@ __all__ = [
     "LlamaServerProcess",
 ]
 
-PEERS = ("upstream", "jinja2", "server", "floor")
+PEERS = ("upstream", "jinja2", "transformers", "server", "floor")
+# peers that render the template in Python: compared on the requests where their prompt is llama-server's
+PYTHON_PEERS = ("jinja2", "transformers")
+RATIOS = ("upstream", "jinja2", "transformers", "server", "floor_ratio", "thread_scaling")
 
 
 def _per_call(fn: Callable[[], Any], min_time: float) -> float:
@@ -121,6 +128,27 @@ def transformers_jinja2(source: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
+
+
+def transformers_renderer(source: str) -> Callable[..., str]:
+    """A function rendering ``source`` with transformers' ``render_jinja_template`` (needs
+    ``pip install transformers``): called with the variables of :func:`_jinja2_kwargs`
+    (messages, tools, add_generation_prompt, the special tokens ...), it returns the prompt.
+
+    Raises ImportError without transformers; the function raises what transformers raises.
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(**variables: Any) -> str:
+        messages = variables.pop("messages")
+        tools = variables.pop("tools", None)
+        add_generation_prompt = variables.pop("add_generation_prompt")
+        rendered, _ = render_jinja_template(
+            [messages], tools=tools, chat_template=source, add_generation_prompt=add_generation_prompt, **variables
+        )
+        return str(rendered[0])
+
+    return render
 
 
 def _jinja2_kwargs(request: Mapping[str, Any], bos_token: str, eos_token: str) -> dict[str, Any]:
@@ -292,15 +320,17 @@ def bench_template(
         fast = ChatTemplate.from_file(path, **opts)
         loads.append(time.perf_counter() - t0)
     upstream = ChatTemplate.from_file(path, fast_path=False, **opts) if "upstream" in peers else None
-    jinja = None
-    jinja_load_error = None
+    renderers: dict[str, Callable[..., str]] = {}
+    load_errors: dict[str, str] = {}
     if "jinja2" in peers:
         try:
-            jinja = transformers_jinja2(fast.source)
+            renderers["jinja2"] = transformers_jinja2(fast.source).render
         except ImportError:
             raise
         except Exception as e:  # Jinja2 cannot compile the template
-            jinja_load_error = f"{type(e).__name__}: {e}"
+            load_errors["jinja2"] = f"{type(e).__name__}: {e}"
+    if "transformers" in peers:
+        renderers["transformers"] = transformers_renderer(fast.source)  # compiles on first use
     use_server = server is not None and "server" in peers and server.serves(fast)
 
     rows: dict[str, dict[str, Any]] = {}
@@ -315,13 +345,13 @@ def bench_template(
         row["llamaprompt"] = _per_call(_quiet(partial(fast.apply_template, body)), min_time)
         if upstream is not None:
             row["upstream"] = _per_call(_quiet(partial(upstream.apply_template, body)), min_time)
-        if jinja is not None:
-            kwargs = _jinja2_kwargs(request, fast.bos_token, fast.eos_token)
+        for peer, render in renderers.items():
+            variables = _jinja2_kwargs(request, fast.bos_token, fast.eos_token)
             try:
-                row["jinja2_same"] = jinja.render(**kwargs) == prompt
+                row[f"{peer}_same"] = render(**dict(variables)) == prompt
             except Exception as e:
-                row["jinja2_error"] = f"{type(e).__name__}: {e}"
-            row["jinja2"] = _per_call(_quiet(partial(jinja.render, **kwargs)), min_time)
+                row[f"{peer}_error"] = f"{type(e).__name__}: {e}"
+            row[peer] = _per_call(_quiet(lambda r=render, v=variables: r(**dict(v))), min_time)
         if use_server and server is not None:
             row["server"] = _per_call(partial(server.apply_template, body), min_time)
         if "floor" in peers and prompt is not None:
@@ -336,10 +366,10 @@ def bench_template(
     everything = list(rows)
     rps = {"llamaprompt": rate("llamaprompt", everything)}
     ratios: dict[str, float | None] = {}
-    for peer in ("upstream", "jinja2", "server"):
+    for peer in ("upstream", *PYTHON_PEERS, "server"):
         names = [n for n in everything if peer in rows[n]]
-        if peer == "jinja2":  # compared where Jinja2 gives llama-server's prompt
-            names = [n for n in names if rows[n].get("jinja2_same")]
+        if peer in PYTHON_PEERS:  # compared where the peer gives llama-server's prompt
+            names = [n for n in names if rows[n].get(f"{peer}_same")]
         if names:
             theirs = rps[peer] = rate(peer, names)
             mine = rate("llamaprompt", names)
@@ -374,18 +404,18 @@ def bench_template(
 
     out: dict[str, Any] = {
         "template": path.name,
-        "handler": "autoparser" if fast._core.prompt_only_renders() else "other",
+        "handler": "autoparser" if fast.describe().get("autoparser") else "specialized",
         "load_ms": statistics.median(loads) * 1e3,
         "renders_per_s": rps,
         "ratios": ratios,
         "threads": thread_rates,
         "requests": rows,
     }
-    if jinja is not None:
-        out["jinja2_differs"] = sum(1 for r in rows.values() if r.get("jinja2_same") is False)
-        out["jinja2_raises"] = sum(1 for r in rows.values() if "jinja2_error" in r)
-    if jinja_load_error:
-        out["jinja2_load_error"] = jinja_load_error
+    for peer in renderers:
+        out[f"{peer}_differs"] = sum(1 for r in rows.values() if r.get(f"{peer}_same") is False)
+        out[f"{peer}_raises"] = sum(1 for r in rows.values() if f"{peer}_error" in r)
+    for peer, error in load_errors.items():
+        out[f"{peer}_load_error"] = error
     return out
 
 
@@ -469,7 +499,7 @@ def run_bench(
     Args:
         threads: N for the apply_template_many scaling figure.
         min_time: seconds spent timing each (template, request, peer).
-        peers: which of ``upstream``, ``jinja2``, ``server``, ``floor`` to run.
+        peers: which of ``upstream``, ``jinja2``, ``transformers``, ``server``, ``floor`` to run.
         server_url: a llama-server (``http://HOST:PORT``); the template its GET /props
             reports is benchmarked against it.
         llama_server: ``(binary, model.gguf)``: start llama-server with each template in
@@ -482,7 +512,7 @@ def run_bench(
     result each; a template that cannot be loaded has ``error``), ``median`` (per ratio,
     over templates), ``memory``.
 
-    Raises ImportError when ``jinja2`` is a peer and Jinja2 is not installed; OSError /
+    Raises ImportError when ``jinja2`` or ``transformers`` is a peer and not installed; OSError /
     ValueError when ``server_url`` cannot be used.
     """
     from tqdm import tqdm
@@ -492,6 +522,8 @@ def run_bench(
     peers = set(peers)
     if "jinja2" in peers:
         import jinja2  # noqa: F401  (fail early: pip install 'llamaprompt[bench]')
+    if "transformers" in peers:
+        import transformers.utils.chat_template_utils  # noqa: F401  (fail early: pip install 'llamaprompt[bench]')
     server = ServerPeer(server_url) if server_url and "server" in peers else None
     if server is not None:
         served = [p for p in paths if server.serves(ChatTemplate.from_file(p))]
@@ -529,20 +561,17 @@ def run_bench(
     if server is not None:
         server.close()
     ok = [r for r in results if "error" not in r]
-    median = {
-        key: _median(r["ratios"].get(key) for r in ok)
-        for key in ("upstream", "jinja2", "server", "floor_ratio", "thread_scaling")
-    }
+    median = {key: _median(r["ratios"].get(key) for r in ok) for key in RATIOS}
     median["load_ms"] = _median(r["load_ms"] for r in ok)
     median["renders_per_s"] = _median(r["renders_per_s"]["llamaprompt"] for r in ok)
     # the templates whose requests take the differential autoparser path (where the fast
     # path applies); the others use one of llama.cpp's specialized handlers
     auto = [r for r in ok if r["handler"] == "autoparser"]
-    median_autoparser = {
-        key: _median(r["ratios"].get(key) for r in auto)
-        for key in ("upstream", "jinja2", "server", "floor_ratio", "thread_scaling")
-    }
+    median_autoparser: dict[str, Any] = {key: _median(r["ratios"].get(key) for r in auto) for key in RATIOS}
     median_autoparser["templates"] = len(auto)
+    special = [r for r in ok if r["handler"] != "autoparser"]
+    median_specialized: dict[str, Any] = {key: _median(r["ratios"].get(key) for r in special) for key in RATIOS}
+    median_specialized["templates"] = len(special)
     report: dict[str, Any] = {
         "environment": {
             "llamaprompt": __version__,
@@ -559,6 +588,7 @@ def run_bench(
         "templates": results,
         "median": median,
         "median_autoparser": median_autoparser,
+        "median_specialized": median_specialized,
     }
     if memory:
         report["memory"] = memory_report(paths or pinned_templates(), memory)
@@ -577,21 +607,24 @@ def format_report(report: Mapping[str, Any]) -> str:
     """The report as a Markdown table (one row per template) with the medians and the
     memory figures below it."""
     lines = [
-        "| template | load ms | renders/s | × upstream | × jinja2 | jinja2 differs/raises | × server "
-        "| time / floor | threads × |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| template | load ms | renders/s | × upstream | × jinja2 | jinja2 differs/raises | × transformers "
+        "| transformers differs/raises | × server | time / floor | threads × |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["templates"]:
         if "error" in r:
-            lines.append(f"| {r['template']} | load error: {r['error'][:60]} |||||||")
+            lines.append(f"| {r['template']} | load error: {r['error'][:60]} |||||||||")
             continue
         ratios = r["ratios"]
-        jd = f"{r['jinja2_differs']}/{r['jinja2_raises']}" if "jinja2_differs" in r else "-"
-        if "jinja2_load_error" in r:
-            jd = "no compile"
+        counts = {}
+        for peer in PYTHON_PEERS:
+            counts[peer] = f"{r[peer + '_differs']}/{r[peer + '_raises']}" if f"{peer}_differs" in r else "-"
+            if f"{peer}_load_error" in r:
+                counts[peer] = "no compile"
         lines.append(
             f"| {r['template']} | {r['load_ms']:.1f} | {r['renders_per_s']['llamaprompt']:.0f} "
-            f"| {_fmt(ratios.get('upstream'), '.1f')} | {_fmt(ratios.get('jinja2'), '.2f')} | {jd} "
+            f"| {_fmt(ratios.get('upstream'), '.1f')} | {_fmt(ratios.get('jinja2'), '.2f')} | {counts['jinja2']} "
+            f"| {_fmt(ratios.get('transformers'), '.2f')} | {counts['transformers']} "
             f"| {_fmt(ratios.get('server'), '.1f')} | {_fmt(ratios.get('floor_ratio'), '.2f')} "
             f"| {_fmt(ratios.get('thread_scaling'), '.2f')} |"
         )
@@ -603,17 +636,21 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"({n_req} requests each): "
         f"{_fmt(m['renders_per_s'], '.0f')} renders/s, load {_fmt(m['load_ms'], '.1f')} ms; "
         f"× upstream {_fmt(m['upstream'], '.1f')}, × jinja2 {_fmt(m['jinja2'], '.2f')}, "
+        f"× transformers {_fmt(m.get('transformers'), '.2f')}, "
         f"× server {_fmt(m['server'], '.1f')}, time / floor {_fmt(m['floor_ratio'], '.2f')}, "
         f"{report['environment']['threads']} threads × {_fmt(m['thread_scaling'], '.2f')}.",
     ]
-    a = report.get("median_autoparser")
-    if a and a["templates"]:
-        lines.append(
-            f"On the autoparser path, {_count(a['templates'], 'template')} (the others use a specialized handler, "
-            f"which the fast path leaves as it is): × upstream {_fmt(a['upstream'], '.1f')}, × jinja2 "
-            f"{_fmt(a['jinja2'], '.2f')}, × server {_fmt(a['server'], '.1f')}, time / floor "
-            f"{_fmt(a['floor_ratio'], '.2f')}."
-        )
+    for key, where in (
+        ("median_autoparser", "On the autoparser path"),
+        ("median_specialized", "With a specialized handler"),
+    ):
+        a = report.get(key)
+        if a and a["templates"]:
+            lines.append(
+                f"{where}, {_count(a['templates'], 'template')}: × upstream {_fmt(a['upstream'], '.1f')}, "
+                f"× jinja2 {_fmt(a['jinja2'], '.2f')}, × transformers {_fmt(a.get('transformers'), '.2f')}, "
+                f"× server {_fmt(a['server'], '.1f')}, time / floor {_fmt(a['floor_ratio'], '.2f')}."
+            )
     mem = report.get("memory")
     if mem:
         lines.append(
@@ -634,7 +671,7 @@ def plot_report(report: Mapping[str, Any], path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["templates"] if "error" not in r]
-    series = ["llamaprompt", "floor", "jinja2", "upstream", "server"]
+    series = ["llamaprompt", "floor", "jinja2", "transformers", "upstream", "server"]
     series = [s for s in series if any(s in r["renders_per_s"] for r in rows)]
     height = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.32 * len(rows) * max(1, len(series)) / 2))

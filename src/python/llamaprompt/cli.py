@@ -470,6 +470,7 @@ def _parser() -> argparse.ArgumentParser:
         help="start this llama-server with MODEL and each template in turn, and compare every template",
     )
     p.add_argument("--no-jinja2", action="store_true", help="skip the Jinja2 peer")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer (render_jinja_template)")
     p.add_argument("--no-upstream", action="store_true", help="skip llama.cpp's uncached path (the slowest peer)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor")
     p.add_argument(
@@ -918,8 +919,13 @@ def _bench(args: argparse.Namespace) -> int:
     requests = None if args.requests is None else _read_json(args.requests)
     if requests is not None and not isinstance(requests, dict):
         raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
-    peers = {"upstream", "jinja2", "server", "floor"}
-    for flag, peer in ((args.no_jinja2, "jinja2"), (args.no_upstream, "upstream"), (args.no_floor, "floor")):
+    peers = set(bench.PEERS)
+    for flag, peer in (
+        (args.no_jinja2, "jinja2"),
+        (args.no_transformers, "transformers"),
+        (args.no_upstream, "upstream"),
+        (args.no_floor, "floor"),
+    ):
         if flag:
             peers.discard(peer)
     try:

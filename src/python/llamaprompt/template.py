@@ -464,7 +464,9 @@ class ChatTemplate:
         """What llama.cpp decided for this template, as one dict: ``chat_format`` (for a
         plain request) and ``chat_format_with_tools`` (``common_chat_format_name``),
         ``handler`` asked for, whether a specialized handler or the differential
-        ``autoparser`` produced the params (for each), ``caps`` in force and
+        ``autoparser`` produced the params (for each), whether apply_template can take its
+        prompt-only path (``prompt_only_path``: the autoparser's, or a specialized handler's
+        stop point -- then ``specialized_handler`` names the handler), ``caps`` in force and
         ``detected_caps``, ``supports_thinking``, ``thinking_start_tag``/``thinking_end_tags``,
         the template variant requests with tools use (``"tool_use"`` or ``"default"``),
         ``use_jinja`` and ``server_args``, and the llama.cpp tree that decided it
@@ -506,6 +508,12 @@ class ChatTemplate:
             chat = res["chat_params"]
             out["chat_format" + suffix] = chat["format"]
             out["autoparser" + suffix] = bool(out["use_jinja"]) and not res["specialized_handler"]
+            # apply_template's prompt-only path: the autoparser's, or a handler's stop point
+            out["prompt_only_path" + suffix] = bool(out["use_jinja"]) and (
+                not res["specialized_handler"] or res.get("prompt_stop_point") is not None
+            )
+            if res.get("prompt_stop_point"):
+                out["specialized_handler" + suffix] = res["prompt_stop_point"]
             if not suffix:
                 out["thinking_start_tag"] = chat["thinking_start_tag"]
                 out["thinking_end_tags"] = chat["thinking_end_tags"]

@@ -1,0 +1,13 @@
+// The prompt-only stop point of llama.cpp's specialized chat handlers. adapt_tree.py
+// (handler_rewrites) inserts `llamaprompt_prompt_ready(data.prompt, __func__);` into the
+// build-tree copy of a handler's file (common/parsers/*.cpp), just before the handler
+// computes its generation prompt -- only in handlers whose remaining code provably depends
+// on no message and leaves the prompt as it is. Outside a prompt-only call it only records
+// the handler's name (for describe()); in one (src/cpp/shim_chat.cpp,
+// llamaprompt_try_specialized_template) it ends the handler there, with this prompt, by
+// throwing llamaprompt::prompt_ready.
+#pragma once
+
+#include <string>
+
+void llamaprompt_prompt_ready(const std::string & prompt, const char * handler);

@@ -1,0 +1,67 @@
+"""The template fuzz corpus: edits that turn a real template into a broken or hostile one
+(unbalanced tags, unbounded recursion and loops, huge values, invalid UTF-8, truncations).
+Used by tests/test_fuzz.py (edits drawn by hypothesis) and tests/engine_differential.py
+(edits drawn from a seeded random generator)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+KINDS = ("insert", "delete", "truncate", "bytes")
+
+SNIPPETS = [
+    b"{{",
+    b"}}",
+    b"{%",
+    b"%}",
+    b"{% endfor %}",
+    b"{% endif %}",
+    b"{% for m in messages %}",
+    b"{% if x %}",
+    b"{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    b"{{ 'ab' * 100000000 }}",
+    b"{% for i in range(100000000) %}{% endfor %}",
+    b"{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+    b"{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    b"{{ messages[1000] }}",
+    b"{{ raise_exception('fuzz') }}",
+    b"{{ messages|tojson }}",
+    b"{{ none.x.y }}",
+    b"{{ 1 / 0 }}",
+    b"{{ tools|map(attribute='x')|list }}",
+    b"{{ (messages|length) * 99999999999 }}",
+    b"\x00",
+    b"\xff\xfe",
+    b"\xc3",
+    b"{{ '\xe2\x82' }}",
+]
+
+
+# (kind, where in [0, 1], snippet index, raw bytes)
+Edit = tuple[str, float, int, bytes]
+
+
+def mutate_template(src: bytes, ops: Iterable[Edit]) -> bytes:
+    """``src`` with each edit applied in turn."""
+    for kind, where, snippet, raw in ops:
+        at = int(where * len(src))
+        if kind == "insert":  # after a tag or an output, so that the result often still parses
+            ends = [i + 2 for i in range(len(src) - 1) if src[i : i + 2] in (b"%}", b"}}")] or [at]
+            at = ends[min(int(where * len(ends)), len(ends) - 1)]
+            src = src[:at] + SNIPPETS[snippet] + src[at:]
+        elif kind == "delete":
+            src = src[:at] + src[at + 1 + snippet * 7 :]
+        elif kind == "truncate":
+            src = src[:at]
+        else:
+            src = src[:at] + raw + src[at:]
+    return src
+
+
+def random_edits(rng: random.Random, max_edits: int = 3) -> list[Edit]:
+    """1..max_edits edits drawn from ``rng`` (the same seed gives the same edits)."""
+    return [
+        (rng.choice(KINDS), rng.random(), rng.randrange(len(SNIPPETS)), rng.randbytes(rng.randint(1, 8)))
+        for _ in range(rng.randint(1, max_edits))
+    ]
