@@ -170,6 +170,7 @@ class Edit:
     # saves. Optional: a tree without the pattern (or with it a different number of times)
     # builds without it; LLAMAPROMPT_ENGINE_REWRITES=OFF builds without any (the differential run)
     speed: str = ""
+    group: str = ""  # engine rewrites of one group apply together or not at all
 
 
 @dataclass
@@ -222,6 +223,15 @@ REWRITES = [
         Edit("    auto builtins = input->get_builtins();\n",
              "    const auto & builtins = input->get_builtins();\n",
              speed="filter / method call: a copy of the type's built-ins map per call"),
+        # `for`: a scope per item, used only by a loop filter (`for x in xs if cond`); built
+        # only where that filter runs (two edits: both or neither, see apply_rewrites)
+        Edit("    for (size_t i = 0; i < items.size(); ++i) {\n        context loop_scope(scope);\n",
+             "    for (size_t i = 0; i < items.size(); ++i) {\n",
+             speed="for loop without a filter: no scope copied per item", group="loop_scope"),
+        Edit("        if (select_expr && test_expr) {\n            scope_update_fn(loop_scope);\n",
+             "        if (select_expr && test_expr) {\n            context loop_scope(scope);\n"
+             "            scope_update_fn(loop_scope);\n",
+             speed="for loop without a filter: no scope copied per item", group="loop_scope"),
     ]),
     Rewrite("common/jinja/parser.cpp", "jinja-parser.cpp", [
         Edit("return parse_jinja_statement()", "return llamaprompt::jinja_guard_step(), parse_jinja_statement()"),
@@ -266,6 +276,38 @@ REWRITES = [
 # mirror of the tree's common/ headers (mirror_headers). Function bodies only, never a class
 # layout: the llama-common objects compiled with the tree's headers stay compatible.
 HEADER_REWRITES = [
+    Rewrite("common/jinja/value.h", "", [
+        # an insert hashed the key twice (has_key, then operator[]); one try_emplace for a plain
+        # object (no subclass that could override has_key), the same checks and order of entries
+        Edit("""        bool replaced = false;
+        if (is_immutable()) {
+            throw std::runtime_error("Attempting to modify immutable type");
+        }
+        if (has_key(key)) {""", """        bool replaced = false;
+        if (is_immutable()) {
+            throw std::runtime_error("Attempting to modify immutable type");
+        }
+        if (typeid(*this) == typeid(value_object_t)) {
+            if (!key->is_immutable() || !key->is_hashable()) {  // has_key's check
+                throw std::runtime_error("Object key of unhashable type: " + key->type());
+            }
+            auto added = unordered.try_emplace(key, val);
+            if (added.second) {
+                val_obj.push_back({key, val});
+                return;
+            }
+            added.first->second = val;
+            for (auto & pair : val_obj) {
+                if (*(pair.first) == *key) {
+                    pair.second = val;
+                    return;
+                }
+            }
+            val_obj.push_back({key, val});
+            return;
+        }
+        if (has_key(key)) {""", speed="object insert: the key hashed once, not twice"),
+    ]),
     Rewrite("common/jinja/runtime.h", "", [
         # a new scope (every `for` iteration, macro call, call block) re-inserted each variable of
         # its parent -- hashing each key twice -- after building six constants and a string that
@@ -482,17 +524,19 @@ def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites:
     headers: dict[str, str] = {}
     for rw in REWRITES + HEADER_REWRITES + (handlers or []):
         text = tree.read(rw.rel)
+        incomplete = {e.group for e in rw.edits if e.group and text.count(e.old) != e.count}
         for e in rw.edits:
-            n = text.count(e.old)
+            n = text.count(e.old) if e.group not in incomplete else -1
             record = {"file": rw.rel, "pattern": e.old, "applied": False}
             if e.speed:
                 record["engine"] = e.speed
             if e.speed and not engine_rewrites:
                 record["skipped"] = "off (LLAMAPROMPT_ENGINE_REWRITES=OFF)"
             elif e.speed and n != e.count:
-                notes.append(f"{rw.rel}: engine rewrite not applied ('{e.old.strip()}' occurs {n} times, "
-                             f"expected {e.count}); the engine is upstream's there (slower: {e.speed})")
-                record["skipped"] = f"pattern occurs {n} times"
+                found = f"occurs {n} times, expected {e.count}" if n >= 0 else "another edit of its group is not found"
+                notes.append(f"{rw.rel}: engine rewrite not applied ('{e.old.strip()}' {found}); "
+                             f"the engine is upstream's there (slower: {e.speed})")
+                record["skipped"] = found
             elif n == e.count:
                 text = text.replace(e.old, e.new)
                 record["applied"] = True

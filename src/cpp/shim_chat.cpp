@@ -34,6 +34,8 @@ static bool prompt_only_applies(const autoparser::generation_params & params);
 struct parser_memo;
 static bool memo_knows(parser_memo & memo, const std::string & key);
 static void memo_add(parser_memo & memo, std::string key);
+static int memo_takes_handler(parser_memo & memo, const common_chat_template & tmpl);  // -1: not known yet
+static void memo_set_takes_handler(parser_memo & memo, const common_chat_template & tmpl, bool takes);
 }  // namespace llamaprompt
 
 void llamaprompt_prompt_ready(const std::string & prompt, const char * handler) {
@@ -59,7 +61,7 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
         return std::nullopt;
     }
     std::string key;
-    if (st && st->memo && llamaprompt::prompt_only_applies(params)) {
+    if (st && st->memo && llamaprompt::prompt_only_applies(params) && memo_takes_handler(*st->memo, tmpl) != 0) {
         try {
             key = "handler\x1f" + parser_inputs_key(tmpl, params);
         } catch (const std::exception &) {
@@ -89,6 +91,9 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
     if (st) {
         st->specialized_used = result.has_value();
     }
+    if (st && st->memo) {
+        memo_set_takes_handler(*st->memo, tmpl, result.has_value());
+    }
     if (result && !key.empty()) {
         memo_add(*st->memo, std::move(key));
     }
@@ -102,6 +107,8 @@ namespace llamaprompt {
 struct analysis_cache {
     std::mutex mutex;
     std::map<std::string, std::shared_ptr<const autoparser::autoparser>> results;
+    // each template's caps as text (they are set once, when the ChatTemplate is loaded)
+    std::map<const common_chat_template *, std::string> caps_text;
 };
 
 std::shared_ptr<analysis_cache> make_analysis_cache() { return std::make_shared<analysis_cache>(); }
@@ -116,7 +123,19 @@ static std::string analysis_key(const common_chat_template & tmpl) {
     localtime_r(&now, &tm_now);
 #endif
     std::strftime(day, sizeof(day), "%Y-%m-%d", &tm_now);
-    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + tmpl.original_caps().to_string() + "|" + day;
+    std::string caps;
+    analysis_cache * cache = current_handler ? current_handler->cache : nullptr;
+    if (cache) {
+        std::lock_guard<std::mutex> lock(cache->mutex);
+        auto it = cache->caps_text.find(&tmpl);
+        if (it == cache->caps_text.end()) {
+            it = cache->caps_text.emplace(&tmpl, tmpl.original_caps().to_string()).first;
+        }
+        caps = it->second;
+    } else {
+        caps = tmpl.original_caps().to_string();
+    }
+    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + caps + "|" + day;
 }
 
 }  // namespace llamaprompt
@@ -242,6 +261,9 @@ struct parser_memo {
     std::mutex mutex;
     std::unordered_set<std::string> ok;
     static constexpr size_t max_entries = 4096;  // then it starts over
+    // whether common_chat_try_specialized_template chose a handler for this template (it
+    // decides by the template's source): no handler key is built for the others
+    std::map<const common_chat_template *, bool> takes_handler;
 };
 
 std::shared_ptr<parser_memo> make_parser_memo() { return std::make_shared<parser_memo>(); }
@@ -275,6 +297,17 @@ static bool prompt_only_applies(const autoparser::generation_params & params) {
 static bool memo_knows(parser_memo & memo, const std::string & key) {
     std::lock_guard<std::mutex> lock(memo.mutex);
     return memo.ok.count(key) > 0;
+}
+
+static int memo_takes_handler(parser_memo & memo, const common_chat_template & tmpl) {
+    std::lock_guard<std::mutex> lock(memo.mutex);
+    auto it = memo.takes_handler.find(&tmpl);
+    return it == memo.takes_handler.end() ? -1 : int(it->second);
+}
+
+static void memo_set_takes_handler(parser_memo & memo, const common_chat_template & tmpl, bool takes) {
+    std::lock_guard<std::mutex> lock(memo.mutex);
+    memo.takes_handler[&tmpl] = takes;
 }
 
 static void memo_add(parser_memo & memo, std::string key) {
