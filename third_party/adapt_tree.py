@@ -483,7 +483,7 @@ def _prompt_only_problems(body: str, stop: re.Match) -> list[str]:
     return problems
 
 
-def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list["Rewrite"], dict[str, str]]:
+def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[str, str]]:
     """(the handler files' rewrites, {handler: "prompt-only" or why not})."""
     rewrites, verdicts = [], {}
     folder = tree.root / HANDLER_DIR

@@ -15,6 +15,8 @@
 #include "tree.h"
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <ctime>
 #include <mutex>
 #include <optional>
@@ -61,7 +63,8 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
         return std::nullopt;
     }
     std::string key;
-    if (st && st->memo && llamaprompt::prompt_only_applies(params) && memo_takes_handler(*st->memo, tmpl) != 0) {
+    const int takes_handler = st && st->memo ? memo_takes_handler(*st->memo, tmpl) : -1;
+    if (st && st->memo && llamaprompt::prompt_only_applies(params) && takes_handler != 0) {
         try {
             key = "handler\x1f" + parser_inputs_key(tmpl, params);
         } catch (const std::exception &) {
@@ -91,7 +94,7 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
     if (st) {
         st->specialized_used = result.has_value();
     }
-    if (st && st->memo) {
+    if (st && st->memo && takes_handler != int(result.has_value())) {
         memo_set_takes_handler(*st->memo, tmpl, result.has_value());
     }
     if (result && !key.empty()) {
@@ -107,9 +110,25 @@ namespace llamaprompt {
 struct analysis_cache {
     std::mutex mutex;
     std::map<std::string, std::shared_ptr<const autoparser::autoparser>> results;
-    // each template's caps as text (they are set once, when the ChatTemplate is loaded)
-    std::map<const common_chat_template *, std::string> caps_text;
 };
+
+// caps.to_string(), kept per thread for the last caps seen: jinja::caps is plain bools, so
+// equal bytes give the same text (computed again when they differ)
+static std::string caps_text(const jinja::caps & caps) {
+    if constexpr (std::is_trivially_copyable_v<jinja::caps>) {
+        thread_local unsigned char bytes[sizeof(jinja::caps)];
+        thread_local std::string text;
+        thread_local bool valid = false;
+        if (!valid || std::memcmp(bytes, &caps, sizeof(jinja::caps)) != 0) {
+            text = caps.to_string();
+            std::memcpy(bytes, &caps, sizeof(jinja::caps));
+            valid = true;
+        }
+        return text;
+    } else {
+        return caps.to_string();
+    }
+}
 
 std::shared_ptr<analysis_cache> make_analysis_cache() { return std::make_shared<analysis_cache>(); }
 
@@ -123,19 +142,7 @@ static std::string analysis_key(const common_chat_template & tmpl) {
     localtime_r(&now, &tm_now);
 #endif
     std::strftime(day, sizeof(day), "%Y-%m-%d", &tm_now);
-    std::string caps;
-    analysis_cache * cache = current_handler ? current_handler->cache : nullptr;
-    if (cache) {
-        std::lock_guard<std::mutex> lock(cache->mutex);
-        auto it = cache->caps_text.find(&tmpl);
-        if (it == cache->caps_text.end()) {
-            it = cache->caps_text.emplace(&tmpl, tmpl.original_caps().to_string()).first;
-        }
-        caps = it->second;
-    } else {
-        caps = tmpl.original_caps().to_string();
-    }
-    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + caps + "|" + day;
+    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + caps_text(tmpl.original_caps()) + "|" + day;
 }
 
 }  // namespace llamaprompt

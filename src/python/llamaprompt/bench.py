@@ -31,8 +31,10 @@ Times are wall-clock per call (``time.perf_counter``), each the mean over as man
 as fit in ``min_time`` seconds after one warm-up call; a peer's renders/s for a template
 is ``n / sum(per-call times)`` over the requests it is compared on. Ratios are
 llamaprompt's renders/s over the peer's (so > 1 means llamaprompt is faster), except
-``floor_ratio`` (llamaprompt's time over the floor's: 1.0 is the floor) and
-``thread_scaling`` (N threads over 1 thread).
+``floor_ratio`` (llamaprompt's time over the floor's: 1.0 is the floor),
+``floor_vs_jinja2`` (the floor's renders/s over Jinja2's, on the requests both render as
+llama-server does: llama.cpp's engine against Jinja2's) and ``thread_scaling`` (N threads
+over 1 thread).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ __all__ = [
 PEERS = ("upstream", "jinja2", "transformers", "server", "floor")
 # peers that render the template in Python: compared on the requests where their prompt is llama-server's
 PYTHON_PEERS = ("jinja2", "transformers")
-RATIOS = ("upstream", "jinja2", "transformers", "server", "floor_ratio", "thread_scaling")
+RATIOS = ("upstream", "jinja2", "transformers", "server", "floor_ratio", "thread_scaling", "floor_vs_jinja2")
 
 
 def _per_call(fn: Callable[[], Any], min_time: float) -> float:
@@ -143,12 +145,17 @@ def transformers_renderer(source: str) -> Callable[..., str]:
         messages = variables.pop("messages")
         tools = variables.pop("tools", None)
         add_generation_prompt = variables.pop("add_generation_prompt")
-        rendered, _ = render_jinja_template(
+        # (rendered, generation indices), whatever transformers' annotation says
+        result: Any = render_jinja_template(
             [messages], tools=tools, chat_template=source, add_generation_prompt=add_generation_prompt, **variables
         )
-        return str(rendered[0])
+        return str(result[0][0])
 
     return render
+
+
+def _render_with(render: Callable[..., str], variables: Mapping[str, Any]) -> str:
+    return render(**dict(variables))  # a fresh dict per call: the transformers peer pops from it
 
 
 def _jinja2_kwargs(request: Mapping[str, Any], bos_token: str, eos_token: str) -> dict[str, Any]:
@@ -351,7 +358,7 @@ def bench_template(
                 row[f"{peer}_same"] = render(**dict(variables)) == prompt
             except Exception as e:
                 row[f"{peer}_error"] = f"{type(e).__name__}: {e}"
-            row[peer] = _per_call(_quiet(lambda r=render, v=variables: r(**dict(v))), min_time)
+            row[peer] = _per_call(_quiet(partial(_render_with, render, variables)), min_time)
         if use_server and server is not None:
             row["server"] = _per_call(partial(server.apply_template, body), min_time)
         if "floor" in peers and prompt is not None:
@@ -379,6 +386,11 @@ def bench_template(
         rps["floor"] = rate("floor", floored)
         mine = rate("llamaprompt", floored)
         ratios["floor_ratio"] = rps["floor"] / mine if mine and rps["floor"] else None
+        # the engine itself against plain Jinja2, where both render llama-server's prompt
+        both = [n for n in floored if rows[n].get("jinja2_same")]
+        if both:
+            floor_rate, jinja_rate = rate("floor", both), rate("jinja2", both)
+            ratios["floor_vs_jinja2"] = floor_rate / jinja_rate if floor_rate and jinja_rate else None
 
     # apply_template_many on 1 and N threads: the request set repeated to fill min_time per
     # batch, 1 and N alternated three times, the median of each (thread timings are noisy)
