@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -26,16 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llamaprompt.bench import _per_call
 
-def _per_call(fn: Any, min_time: float) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_time:
-            return elapsed / n
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from engine_differential import _reference_package  # noqa: E402  (the same reference package)
 
 
 def worker(min_time: float) -> dict[str, Any]:
@@ -67,15 +60,6 @@ def worker(min_time: float) -> dict[str, Any]:
     return out
 
 
-def _reference_package(reference: Path, into: Path) -> str:
-    import llamaprompt
-
-    pkg = Path(llamaprompt.__file__).resolve().parent
-    shutil.copytree(pkg, into / "llamaprompt", ignore=shutil.ignore_patterns("_core*.so", "_core*.pyd", "__pycache__"))
-    shutil.copy2(reference, into / "llamaprompt" / reference.name)
-    return str(into)
-
-
 def _run(pythonpath: str | None, min_time: float) -> dict[str, Any]:
     env = dict(os.environ)
     if pythonpath:
@@ -104,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference is None or not args.reference.is_file():
         ap.error("--reference: the path of a _core module built with LLAMAPROMPT_ENGINE_REWRITES=OFF")
     with tempfile.TemporaryDirectory() as tmp:
-        upstream = _run(_reference_package(args.reference, Path(tmp)), args.min_time)
+        upstream = _run(str(_reference_package(args.reference, Path(tmp))), args.min_time)
         rewritten = _run(None, args.min_time)
     rows = {}
     for name, mine in rewritten.items():
