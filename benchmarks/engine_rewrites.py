@@ -28,7 +28,7 @@ from typing import Any
 from llamaprompt.bench import _per_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from engine_differential import _reference_package  # noqa: E402  (the same reference package)
+from engine_differential import _reference_package, check_reference  # noqa: E402  (the same reference)
 
 
 def worker(min_time: float) -> dict[str, Any]:
@@ -74,10 +74,19 @@ def _run(pythonpath: str | None, min_time: float) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
+def _seconds(text: str) -> float:
+    x = float(text)
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError("must be a finite number >= 0")
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reference", type=Path, help="_core module built with LLAMAPROMPT_ENGINE_REWRITES=OFF")
-    ap.add_argument("--min-time", type=float, default=0.02, help="seconds of timing per template x request (0.02)")
+    ap.add_argument(
+        "--min-time", type=_seconds, default=0.02, help="seconds of timing per template x request (0.02)"
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--markdown", type=Path, help="write the table here, with how it was produced")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.reference is None or not args.reference.is_file():
         ap.error("--reference: the path of a _core module built with LLAMAPROMPT_ENGINE_REWRITES=OFF")
+    check_reference(args.reference)
     with tempfile.TemporaryDirectory() as tmp:
         upstream = _run(str(_reference_package(args.reference, Path(tmp))), args.min_time)
         rewritten = _run(None, args.min_time)

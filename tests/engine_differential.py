@@ -233,24 +233,20 @@ def _engine_rewrites(pythonpath: str | None) -> list[str]:
         "import json, llamaprompt.tree as t; "
         "print(json.dumps([r['engine'] for r in t.tree_info()['rewrites'] if r.get('engine') and r['applied']]))"
     )
-    return json.loads(
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
-    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"cannot load llamaprompt with that module ({pythonpath or 'installed'}): {last}")
+    return json.loads(proc.stdout)
 
 
 def compare(reference: Path, n_requests: int, n_mutants: int) -> dict[str, Any]:
     """Run both builds over the cases and count: templates, requests, outcomes compared,
     differences (each named), and calls a time budget stopped (not compared)."""
+    mine = check_reference(reference)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         ref_path = str(_reference_package(reference, tmp / "ref"))
-        mine, theirs = _engine_rewrites(None), _engine_rewrites(ref_path)
-        if not mine:
-            raise SystemExit("the installed llamaprompt has no engine rewrite applied: nothing to compare")
-        if theirs:
-            raise SystemExit(
-                f"{reference} was built with engine rewrites ({theirs}): build it with LLAMAPROMPT_ENGINE_REWRITES=OFF"
-            )
         procs = []
         for label, pythonpath in (("rewritten", None), ("upstream", ref_path)):
             env = dict(os.environ)
@@ -305,11 +301,33 @@ def compare(reference: Path, n_requests: int, n_mutants: int) -> dict[str, Any]:
     }
 
 
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return n
+
+
+def check_reference(reference: Path) -> list[str]:
+    """The engine rewrites the installed build applied; raises SystemExit unless ``reference``
+    loads as a llamaprompt module built with none (LLAMAPROMPT_ENGINE_REWRITES=OFF)."""
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        ref_path = str(_reference_package(reference, Path(tmp_dir)))
+        mine, theirs = _engine_rewrites(None), _engine_rewrites(ref_path)
+    if not mine:
+        raise SystemExit("the installed llamaprompt has no engine rewrite applied: nothing to compare")
+    if theirs:
+        raise SystemExit(
+            f"{reference} was built with engine rewrites ({theirs}): build it with LLAMAPROMPT_ENGINE_REWRITES=OFF"
+        )
+    return mine
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reference", type=Path, help="_core module built with LLAMAPROMPT_ENGINE_REWRITES=OFF")
-    ap.add_argument("--requests", type=int, default=200, help="generated requests per pinned template (200)")
-    ap.add_argument("--mutants", type=int, default=300, help="fuzz-corpus templates (300)")
+    ap.add_argument("--requests", type=_count, default=200, help="generated requests per pinned template (200)")
+    ap.add_argument("--mutants", type=_count, default=300, help="fuzz-corpus templates (300)")
     ap.add_argument("--json", type=Path, help="write the counts here")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -252,35 +252,103 @@ def test_handler_probe_reads_each_handler(tree, tmp_path):
     assert not (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "gemma4.cpp").exists()
 
 
-@pytest.mark.parametrize(
-    ("inserted", "reason"),
-    [
-        ('    if (inputs.messages.size() > 3) { data.grammar = "x"; }\n', "reads the messages"),
-        ('    data.prompt += "!";\n', "reads or changes the prompt"),
-        ("    auto n = helper(inputs);\n", "passes the whole inputs on"),
-        ('    if (inputs.continue_msg.content.empty()) { data.grammar = ""; }\n', "not in the key"),
-    ],
-)
-def test_handler_that_reads_messages_after_its_prompt_runs_in_full(tree, tmp_path, inserted, reason):
-    rel = tree / "common" / "parsers" / "kimi-k3.cpp"
-    _insert_before(rel, "    auto parser = build_chat_peg_parser(", inserted)
+# edits of a handler (Qwen3-Coder's) as upstream might write it: before its prompt, after its
+# generation-prompt line, at file scope; whether the probe must keep the prompt-only path
+QWEN3_CODER = "common/parsers/qwen3-coder.cpp"
+BEFORE_PROMPT = "    data.prompt            = common_chat_template_direct_apply_impl(tmpl, inputs);\n"
+AFTER_STOP = "    if (inputs.has_continuation()) {\n"
+HANDLER_EDITS = [
+    # (kept prompt-only?, file scope, before the prompt, after the stop point)
+    (False, "", "", '    if (inputs.messages.empty()) { throw std::runtime_error("x"); }\n'),
+    (False, "", "", '    if (data.prompt.empty()) { data.grammar = "x"; }\n'),
+    (False, "", "", '    try { data.grammar = "x"; } catch (...) { }\n'),
+    (False, "", "", "    auto n = helper( inputs );\n"),
+    (False, "", "", "    auto k = inputs.continue_msg.content.size();\n"),
+    (False, "", "", "    finalize(data);\n"),
+    (False, "", "    const auto & in = inputs;\n", "    auto n = helper(in);\n"),
+    (False, "", "    auto & p = data.prompt;\n", '    p += "!";\n'),
+    (False, "", "    auto * d = &data;\n", '    d->prompt += "!";\n'),
+    (False, "", '    auto finish = [&]() { data.prompt += "!"; };\n', "    finish();\n"),
+    (
+        False,
+        "",
+        "    auto n_msgs = inputs.messages.size();\n    auto many = n_msgs > 3;\n",
+        '    if (many) { throw std::runtime_error("x"); }\n',
+    ),
+    (
+        False,
+        "",
+        "    size_t n = 0;\n    count_into(inputs.messages, n);\n",
+        '    if (n > 3) { throw std::runtime_error("x"); }\n',
+    ),
+    (
+        False,
+        "",
+        "    size_t n = 1;\n    n *= inputs.messages.size();\n",
+        '    if (n > 3) { throw std::runtime_error("x"); }\n',
+    ),
+    (
+        False,
+        "",
+        "    json v = json::array();\n    for (const auto & m : inputs.messages) v.push_back(m);\n",
+        '    if (v.size() > 3) { throw std::runtime_error("x"); }\n',
+    ),
+    (
+        False,
+        "",
+        "    bool many = false;\n    if (inputs.messages.size() > 3) { many = true; }\n",
+        '    if (many) { throw std::runtime_error("x"); }\n',
+    ),
+    (
+        False,
+        "#define LAST_MSG inputs.messages.back()\n",
+        "",
+        '    if (LAST_MSG.is_null()) { throw std::runtime_error("x"); }\n',
+    ),
+    (
+        False,
+        "",
+        "    const size_t lim = 1'000'000;\n",
+        "    if (inputs.messages.size() > lim) { throw std::runtime_error(\"x\"); }\n    char c = 'x';\n",
+    ),
+    (True, "", "", "    // messages are not read here; data.prompt neither; try { } catch\n"),
+    (True, "", "", '    data.grammar = R"x(messages " data.prompt)x";\n'),
+    (True, "", "", '    data.grammar = "a\\"messages\\"b";\n'),
+    (True, "", "", '    if (inputs.tools.size() > 100) { throw std::runtime_error("x"); }\n'),
+    (
+        True,
+        "",
+        "    auto n_tools = inputs.tools.size();\n",
+        '    if (n_tools > 100) { throw std::runtime_error("x"); }\n',
+    ),
+]
+
+
+@pytest.mark.parametrize(("kept", "file_scope", "before", "after"), HANDLER_EDITS)
+def test_handler_probe_on_edited_handlers(tree, tmp_path, kept, file_scope, before, after):
+    path = tree / QWEN3_CODER
+    if file_scope:
+        path.write_text(path.read_text().replace('#include "parsers.h"\n', '#include "parsers.h"\n' + file_scope, 1))
+    if before:
+        _insert_before(path, BEFORE_PROMPT, before)
+    if after:
+        _insert_before(path, AFTER_STOP, after)
     assert _run(tree, tmp_path).returncode == 0
-    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_kimi_k3"]
-    assert reason in verdict
-    assert not (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").exists()
+    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_qwen3_coder"]
+    assert (verdict == "prompt-only") == kept, verdict
+    copied = (tmp_path / "out" / "generated" / "mirror" / QWEN3_CODER).exists()
+    assert copied == kept
 
 
-def test_local_set_from_messages_before_the_prompt_excludes_the_handler(tree, tmp_path):
-    rel = tree / "common" / "parsers" / "kimi-k3.cpp"
-    _insert_before(
-        rel,
-        "    data.prompt            = common_chat_template_direct_apply_impl(",
-        "    bool many = inputs.messages.size() > 3;\n",
+def test_handler_that_returns_a_changed_copy_runs_in_full(tree, tmp_path):
+    _edit(
+        tree / QWEN3_CODER,
+        "    return data;\n}",
+        '    common_chat_params res = data;\n    res.prompt += "!";\n    return res;\n}',
     )
-    _insert_before(rel, "    auto parser = build_chat_peg_parser(", '    if (many) { data.grammar = "x"; }\n')
     assert _run(tree, tmp_path).returncode == 0
-    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_kimi_k3"]
-    assert "'many'" in verdict
+    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_qwen3_coder"]
+    assert "passes its result on or copies it" in verdict
 
 
 def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):

@@ -397,6 +397,12 @@ NOT_LOCALS = {"auto", "const", "static", "constexpr", "bool", "int", "size_t", "
               "return", "true", "false", "nullptr", "std", "json", "ordered_json", "string", "data", "inputs", "tmpl"}
 
 
+def _digit_separator(text: str, i: int) -> bool:
+    """Whether the quote at ``i`` separates digits of a number (``1'000``, ``0xFF'FF``)."""
+    token = re.search(r"[\w']*$", text[max(0, i - 40):i])
+    return bool(token and token.group(0)[:1].isdigit() and i + 1 < len(text) and text[i + 1].isalnum())
+
+
 def code_only(text: str) -> str:
     """``text`` with comments and the insides of string / character literals blanked (same
     length, same line breaks), so that code patterns match code only."""
@@ -419,6 +425,9 @@ def code_only(text: str) -> str:
             j = n if end < 0 else end + len(raw.group(1)) + 2
             blank(i + 1, j - 1)
             i = j
+            continue
+        elif text[i] == "'" and _digit_separator(text, i):
+            i += 1  # a digit separator (1'000), not a character literal
             continue
         elif text[i] in "\"'":
             j = i + 1
@@ -447,8 +456,84 @@ def _block_end(code: str, open_at: int) -> int:
     return -1
 
 
-def _prompt_only_problems(body: str, stop: re.Match) -> list[str]:
-    """Why the handler body cannot stop at ``stop`` (empty: it can)."""
+def _statements(code: str) -> list[tuple[str, str]]:
+    """(statement, the headers of the blocks around it) for each statement of ``code``
+    (statements end at ``;``, ``{`` and ``}``; a ``{`` makes the text before it a header)."""
+    out, headers, start = [], [], 0
+    for i, c in enumerate(code):
+        if c in ";{}":
+            text = code[start:i]
+            if c == "{":
+                headers.append(text)
+            elif c == "}" and headers:
+                headers.pop()
+            if text.strip():
+                out.append((text, " ".join(headers)))
+            start = i + 1
+    if code[start:].strip():
+        out.append((code[start:], " ".join(headers)))
+    return out
+
+
+def _written(statement: str) -> set[str]:
+    """The names a statement may set: declared or assigned (left of ``=``, compound
+    assignments, ``++``/``--``), the objects whose methods it calls, the names it passes
+    whole to a call (out-parameters) and range-for variables."""
+    names: set[str] = set()
+    lhs = re.match(r"^(.*?)(?<![=!<>+\-*/%&|^])=(?!=)", statement, re.DOTALL)
+    if lhs:
+        names |= set(re.findall(IDENT, lhs.group(1)))
+    names |= set(re.findall(r"(?<![.>:\w])(\w+)\s*(?:[-+*/%&|^]|<<|>>)=", statement))
+    names |= set(re.findall(r"(?<![.>:\w])(\w+)\s*(?:\+\+|--)", statement))
+    names |= set(re.findall(r"(?:\+\+|--)\s*(\w+)", statement))
+    names |= set(re.findall(r"(?<![.>:\w])(\w+)\s*(?:\.|->)\s*\w+\s*\(", statement))
+    names |= set(re.findall(r"[(,]\s*&?\s*(\w+)\s*(?=[,)])", statement))
+    names |= set(re.findall(r"\bfor\s*\([^:;]*?(\w+)\s*:", statement))
+    return names - NOT_LOCALS
+
+
+def _tainted(before: str) -> set[str]:
+    """The names that statements before the prompt may set from the messages: a statement
+    that involves the messages (or a name already tainted), or sits in a block whose header
+    does, taints every name it may set (to a fixed point)."""
+    tainted: set[str] = set()
+    statements = _statements(before)
+
+    def involves(text: str) -> bool:
+        return bool(re.search(r"\bmessages\b", text)) or bool(set(re.findall(IDENT, text)) & tainted)
+
+    changed = True
+    while changed:
+        changed = False
+        for text, headers in statements:
+            if involves(text) or involves(headers):
+                new = _written(text) - tainted
+                if new:
+                    tainted |= new
+                    changed = True
+    return tainted
+
+
+def _without_calls(code: str, functions: tuple[str, ...]) -> str:
+    """``code`` with each call of ``functions`` (the name and its parenthesized arguments) blanked."""
+    for fn in functions:
+        while (m := re.search(r"\b" + fn + r"\s*\(", code)) is not None:
+            depth, i = 0, m.end() - 1
+            while i < len(code):
+                depth += {"(": 1, ")": -1}.get(code[i], 0)
+                if depth == 0:
+                    break
+                i += 1
+            code = code[:m.start()] + " " * (i + 1 - m.start()) + code[i + 1:]
+    return code
+
+
+RENDERS = ("common_chat_template_direct_apply_impl", "common_chat_template_generation_prompt_impl")
+
+
+def _prompt_only_problems(body: str, stop: re.Match, macros: set[str]) -> list[str]:
+    """Why the handler body cannot stop at ``stop`` (empty: it can). Conservative: text rules
+    that a handler written another way fails, never the reverse (tests/test_adapt_tree.py)."""
     before = body[:stop.start()]
     problems = []
     if before.count("{") != before.count("}"):
@@ -459,27 +544,34 @@ def _prompt_only_problems(body: str, stop: re.Match) -> list[str]:
     if cont:  # a continuation never takes the prompt-only path
         close = _block_end(after, cont.end() - 1)
         after = after[:cont.start()] + after[close + 1:]
-    for pattern, what in ((r"\bdata\.prompt\b", "reads or changes the prompt"),
-                          (r"\bdata\.generation_prompt\b", "reads the generation prompt"),
+    after_result = re.sub(r"\breturn\s+data\s*;", " ", after)  # the handler's own result
+    for pattern, what in ((r"\bdata\s*\.\s*prompt\b", "reads or changes the prompt"),
+                          (r"\bdata\s*\.\s*generation_prompt\b", "reads the generation prompt"),
+                          (r"\bdata\b(?!\s*\.\s*\w)", "passes its result on or copies it"),
                           (r"\bmessages\b", "reads the messages"),
                           (r"\b(try|catch)\b", "catches exceptions"),
                           (r"\binputs\b(?!\s*\.)", "passes the whole inputs on")):
-        if re.search(pattern, after):
+        if re.search(pattern, after_result):
             problems.append(f"after the prompt, it {what}")
     if re.search(r"\b(try|catch)\b", before):
         problems.append("it catches exceptions")
-    unkeyed = set(re.findall(r"\binputs\s*\.\s*(\w+)", after)) - KEYED_FIELDS
+    unkeyed = set(re.findall(r"\binputs\s*\.\s*(\w+)", after)) - KEYED_FIELDS - {"has_continuation", "messages"}
     if unkeyed:
         problems.append(f"after the prompt, it reads inputs.{', inputs.'.join(sorted(unkeyed))} (not in the key)")
-    # locals set before the prompt and read after it must not come from the messages
-    for name in sorted(set(re.findall(IDENT, before)) & set(re.findall(IDENT, after)) - NOT_LOCALS):
-        for m in re.finditer(r"(?<![.>:\w])" + name + r"\s*(?:[-+|&]?=(?!=)|\{)", before):
-            start = max(before.rfind(";", 0, m.start()), before.rfind("{", 0, m.start()),
-                        before.rfind("}", 0, m.start())) + 1
-            statement = before[start:before.find(";", m.end())]
-            depth = before[:m.start()].count("{") - before[:m.start()].count("}")
-            if "messages" in statement or depth != 0:
-                problems.append(f"'{name}', read after the prompt, is set from the messages or in a nested block")
+    # aliases made before the prompt: of the result, of the inputs, captured by a lambda
+    if re.search(r"&\s*data\b|=\s*data\b(?!\s*\.)|=\s*&?\s*data\s*\.\s*(prompt|generation_prompt)\b", before):
+        problems.append("before the prompt, it takes a reference or pointer to its result")
+    if re.search(r"\binputs\b(?!\s*\.)", _without_calls(before, RENDERS)):
+        problems.append("before the prompt, it passes the whole inputs to something other than a render")
+    if re.search(r"\[\s*(?:[&=]|this\b|\w+\s*[,\]])", before):
+        problems.append("before the prompt, it defines a capturing lambda")
+    used = set(re.findall(r"\b[A-Za-z_]\w*\b", body)) & macros
+    if used:
+        problems.append(f"it uses the file's macro {', '.join(sorted(used))}")
+    # locals set before the prompt from the messages, directly or not, read after it
+    shared = set(re.findall(IDENT, before)) & set(re.findall(IDENT, after)) - NOT_LOCALS
+    for name in sorted(shared & _tainted(before)):
+        problems.append(f"'{name}', read after the prompt, may depend on the messages")
     return problems
 
 
@@ -491,6 +583,7 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
         rel = f"{HANDLER_DIR}/{path.name}"
         text = tree.read(rel)
         code = code_only(text)
+        macros = set(re.findall(r"^\s*#\s*define\s+(\w+)", code, re.MULTILINE))
         edits = []
         for m in HANDLER_DEF.finditer(code):
             name = m.group(1)
@@ -498,7 +591,7 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
             close = _block_end(code, open_at)
             body = code[open_at + 1:close]
             stop = STOP_STATEMENT.search(body)
-            problems = ["no generation prompt assigned"] if stop is None else _prompt_only_problems(body, stop)
+            problems = ["no generation prompt assigned"] if stop is None else _prompt_only_problems(body, stop, macros)
             if problems:
                 verdicts[name] = "; ".join(problems)
                 continue

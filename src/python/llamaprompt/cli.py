@@ -55,9 +55,12 @@ def _positive(text: str) -> int:
 
 
 def _non_negative(text: str) -> float:
-    x = float(text)
-    if not x >= 0:
-        raise argparse.ArgumentTypeError("must be a number >= 0")
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError("must be a finite number >= 0")
     return x
 
 
@@ -438,8 +441,9 @@ def _parser() -> argparse.ArgumentParser:
         help="renders/s of apply_template vs Jinja2, llama.cpp's uncached path, llama-server and the floor",
         description="Time apply_template for every template x request (default: every pinned template x the "
         "default request set) side by side, in the same run, with: llama.cpp's uncached upstream path "
-        "(fast_path=False, what llama-server runs), Python Jinja2 set up as transformers' apply_chat_template "
-        "(pip install 'llamaprompt[bench]'), llama-server over HTTP (--server-url), and the floor (one plain "
+        "(fast_path=False, what llama-server runs), transformers' own renderer (render_jinja_template) and Python "
+        "Jinja2 set up as transformers' apply_chat_template (pip install 'llamaprompt[bench]'), llama-server over "
+        "HTTP (--server-url), and the floor (one plain "
         "execution of the template in llama.cpp's Jinja engine). Prints a Markdown table of ratios per template "
         "and their medians: '× PEER' is llamaprompt's renders/s over the peer's (> 1: llamaprompt is faster), "
         "'time / floor' llamaprompt's time over the floor's (1.0 is the floor). docs/performance.md explains "
@@ -917,8 +921,8 @@ def _bench(args: argparse.Namespace) -> int:
     if not paths:
         paths = pinned_templates()
     requests = None if args.requests is None else _read_json(args.requests)
-    if requests is not None and not isinstance(requests, dict):
-        raise UsageError(f"{args.requests}: must be a JSON object name -> request body")
+    if requests is not None and (not isinstance(requests, dict) or not requests):
+        raise UsageError(f"{args.requests}: must be a non-empty JSON object name -> request body")
     peers = set(bench.PEERS)
     for flag, peer in (
         (args.no_jinja2, "jinja2"),
