@@ -381,7 +381,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine")]
-    assert len(engine) == 7
+    assert len(engine) == 9
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])
@@ -401,4 +401,112 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
         assert (mirrored / rel).read_bytes() == (tree / "common" / rel).read_bytes()
     assert (
         "auto builtins = input->get_builtins();" in (tmp_path / "out" / "generated" / "jinja-runtime.cpp").read_text()
+    )
+
+
+# the autoparser's generate_parser: its stop point before the parser is built (generator_rewrite)
+GENERATOR = "common/chat-auto-parser-generator.cpp"
+BUILD_PARSER = "    auto parser = autoparser.build_parser(inputs, parser_generation_prompt);\n"
+
+
+def test_generator_probe_on_the_tree(tree, tmp_path):
+    # facts from reading generate_parser: it renders the prompt and the generation prompt, appends
+    # a continued message to both, then builds the parser from the inputs and
+    # `parser_generation_prompt`, the generation prompt as it was before the continuation
+    assert _run(tree, tmp_path).returncode == 0
+    assert _info(tmp_path)["prompt_only_generator"] == "prompt-only"
+    copy = (tmp_path / "out" / "generated" / "mirror" / GENERATOR).read_text().splitlines()
+    original = (tree / GENERATOR).read_text().splitlines()
+    assert copy[1] == "#line 1"
+    stop = [i for i, x in enumerate(copy[2:]) if "llamaprompt_prompt_ready(data.prompt, nullptr);" in x]
+    assert len(stop) == 1 and original[stop[0]] + "\n" == BUILD_PARSER
+    # compiled into _core, not again in llama-common
+    assert GENERATOR in (tmp_path / "out" / "lp_tree.cmake").read_text()
+
+
+GENERATOR_EDITS = [
+    # (kept prompt-only?, before the parser is built, after it, the reason given)
+    (False, "", '    data.prompt += "x";\n', "reads or changes the prompt"),
+    (False, "", "    auto k = inputs.continue_msg.content.size();\n", "reads the messages"),
+    (False, "", "    auto n = inputs.messages.size();\n", "reads the messages"),
+    (False, "", '    try { data.grammar = "x"; } catch (...) { }\n', "catches exceptions"),
+    (False, '    parser_generation_prompt += "x";\n', "", "is used other than as the parser's"),
+    (False, "    auto n_msgs = inputs.messages.size();\n", "    data.grammar_lazy = n_msgs > 3;\n", "set before it"),
+    (False, "", "    auto q = helper(inputs);\n", "passes the whole inputs on"),
+    (True, "", '    LOG_DBG("%s", "building the parser");\n', ""),
+    (True, "", '    data.grammar = R"x(messages " data.prompt)x";\n', ""),
+]
+
+
+@pytest.mark.parametrize(("kept", "before", "after", "reason"), GENERATOR_EDITS)
+def test_generator_probe_on_edited_generators(tree, tmp_path, kept, before, after, reason):
+    path = tree / GENERATOR
+    text = path.read_text()
+    assert text.count(BUILD_PARSER) == 1
+    path.write_text(text.replace(BUILD_PARSER, before + BUILD_PARSER + after))
+    assert _run(tree, tmp_path).returncode == 0
+    verdict = _info(tmp_path)["prompt_only_generator"]
+    assert (verdict == "prompt-only") == kept, verdict
+    assert reason in verdict
+    assert (tmp_path / "out" / "generated" / "mirror" / GENERATOR).exists() == kept
+    if not kept:
+        assert "generate_parser has no prompt-only stop point" in (tmp_path / "out" / "lp_tree.cmake").read_text()
+
+
+def test_generator_probe_reads_the_other_autoparser_sources(tree, tmp_path):
+    # the parser's own code reading the continued message: no stop point
+    helpers = tree / "common" / "chat-auto-parser-helpers.cpp"
+    helpers.write_text(
+        helpers.read_text()
+        + "\nstatic size_t lp_probe_test(const autoparser::generation_params & p) {\n"
+        + "    return p.continue_msg.content.size();\n}\n"
+    )
+    assert _run(tree, tmp_path).returncode == 0
+    assert "chat-auto-parser-helpers.cpp reads the continued message" in _info(tmp_path)["prompt_only_generator"]
+
+
+# common_chat_try_specialized_template: a choice by the template source alone (handler_choice_problems)
+def _choice_body_start(text: str) -> int:
+    import re
+
+    m = re.search(r"std::optional<common_chat_params>\s+common_chat_try_specialized_template\s*\([^)]*\)\s*\{\n", text)
+    assert m, "common_chat_try_specialized_template not found"
+    return m.end()
+
+
+def test_handler_choice_is_by_source_on_the_tree(tree, tmp_path):
+    # facts from reading common_chat_try_specialized_template: every branch tests src.find(...)
+    # (or is_lfm2_template(src)) and returns a handler's result; it ends with std::nullopt
+    assert _run(tree, tmp_path).returncode == 0
+    assert _info(tmp_path)["handler_choice_by_source"] is True
+    assert "#define LP_HANDLER_CHOICE_BY_SOURCE 1" in (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
+
+
+CHOICE_EDITS = [
+    # (inserted at the top of the function, the reason given)
+    (
+        "    if (params.tools.is_array()) {\n        return common_chat_params_init_gpt_oss(tmpl, params);\n    }\n",
+        "a branch tests is_array, params, tools, not only the source",
+    ),
+    ('    LOG_DBG("%s: choosing\\n", __func__);\n', "a statement other than a source test"),
+    (
+        '    if (src.find("<x>") != std::string::npos) {\n        LOG_DBG("x\\n");\n    }\n',
+        "a branch does not end by returning a handler's result",
+    ),
+]
+
+
+@pytest.mark.parametrize(("inserted", "reason"), CHOICE_EDITS)
+def test_handler_choice_on_edited_trees(tree, tmp_path, inserted, reason):
+    path = tree / "common" / "chat.cpp"
+    text = path.read_text()
+    at = _choice_body_start(text)
+    path.write_text(text[:at] + inserted + text[at:])
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert reason in _info(tmp_path)["handler_choice_by_source"]
+    assert "#define LP_HANDLER_CHOICE_BY_SOURCE 0" in (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
+    assert (
+        "specialized-handler choice may depend on more than the template"
+        in (tmp_path / "out" / "lp_tree.cmake").read_text()
     )

@@ -115,3 +115,47 @@ def test_fast_path_covers_the_specialized_handlers():
     names = " ".join(full)
     assert full and all(k in names for k in ("gemma-4", "ling", "MiniMax-M3")), full
     assert not any(k in " ".join(covered) for k in ("gemma-4", "ling-3", "MiniMax-M3")), covered
+
+
+# requests the autoparser path serves from generate_parser's stop point (adapt_tree.py
+# generator_rewrite): a continued final message, and add_generation_prompt turned off
+STOP_POINT_REQUESTS = [
+    # (first request, a second one with other messages and the same non-message inputs)
+    (
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a prime."},
+                {"role": "assistant", "content": "The first prime is"},
+            ]
+        },
+    ),
+    (
+        {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False},
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"},
+            ],
+            "add_generation_prompt": False,
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja"])
+@pytest.mark.parametrize(("first", "second"), STOP_POINT_REQUESTS)
+def test_continuation_and_no_generation_prompt_stop_before_the_parser(name, first, second):
+    if llamaprompt.tree_info().get("prompt_only_generator") != "prompt-only":
+        pytest.skip("this tree's generate_parser has no stop point: these requests run in full")
+    path = template_path(name)
+    fast = llamaprompt.ChatTemplate.from_file(path)
+    upstream = llamaprompt.ChatTemplate.from_file(path, fast_path=False)
+    assert fast.apply_template(first) == upstream.apply_template(first)  # the full path: the inputs learned
+    before = fast._core.prompt_only_renders()
+    assert fast.apply_template(second) == upstream.apply_template(second)
+    assert fast._core.prompt_only_renders() == before + 1
+    # apply() still runs in full: the parser and grammar are there
+    assert fast.apply(second).parser == upstream.apply(second).parser != ""

@@ -180,6 +180,33 @@ class Rewrite:
     edits: list[Edit]
 
 
+# for_statement's `loop` object (the loop_object engine rewrite below)
+LOOP_KEYS = ("index", "index0", "revindex", "revindex0", "first", "last", "length", "previtem", "nextitem")
+LOOP_OBJECT = "for loop: the loop object's keys built once per loop, its entries reserved"
+LOOP_OBJECT_INSERTS = """        value_object loop_obj = mk_val<value_object>();
+        loop_obj->has_builtins = false; // loop object has no builtins
+        loop_obj->insert("index", mk_val<value_int>(i + 1));
+        loop_obj->insert("index0", mk_val<value_int>(i));
+        loop_obj->insert("revindex", mk_val<value_int>(filtered_items.size() - i));
+        loop_obj->insert("revindex0", mk_val<value_int>(filtered_items.size() - i - 1));
+        loop_obj->insert("first", mk_val<value_bool>(i == 0));
+        loop_obj->insert("last", mk_val<value_bool>(i == filtered_items.size() - 1));
+        loop_obj->insert("length", mk_val<value_int>(filtered_items.size()));
+        loop_obj->insert("previtem", i > 0 ? filtered_items[i - 1] : mk_val<value_undefined>("previtem"));
+""" + (
+    '        loop_obj->insert("nextitem", i < filtered_items.size() - 1 ? filtered_items[i + 1] : '
+    'mk_val<value_undefined>("nextitem"));\n')
+
+
+def _loop_object_inserts_with_keys() -> str:
+    """LOOP_OBJECT_INSERTS with the keys taken from `loop_keys` and the entry list reserved."""
+    text = LOOP_OBJECT_INSERTS.replace("// loop object has no builtins\n",
+                                       "// loop object has no builtins\n        loop_obj->val_obj.reserve(9);\n")
+    for n, key in enumerate(LOOP_KEYS):
+        text = text.replace(f'loop_obj->insert("{key}", ', f"loop_obj->insert(loop_keys[{n}], ", 1)
+    return text
+
+
 REWRITES = [
     # get_media_marker() is per template (src/cpp/shim_server.cpp), not once per process
     Rewrite("tools/server/server-common.cpp", "server-common.cpp", [
@@ -232,6 +259,18 @@ REWRITES = [
              "        if (select_expr && test_expr) {\n            context loop_scope(scope);\n"
              "            scope_update_fn(loop_scope);\n",
              speed="for loop without a filter: no scope copied per item", group="loop_scope"),
+        # `for`: the loop object's nine keys were built (a string value each) on every iteration,
+        # and its entry list grew one reallocation at a time; now the keys are built once per loop
+        # that iterates (immutable strings, shared by its iterations' objects), the list reserved
+        Edit("""    bool noIteration = true;
+    for (size_t i = 0; i < filtered_items.size(); i++) {
+""", """    bool noIteration = true;
+    // the loop object's keys: immutable strings, built once per loop that iterates, not per insert
+    std::vector<value> loop_keys;
+    if (!filtered_items.empty()) loop_keys = {""" + ", ".join(f'mk_val<value_string>("{k}")' for k in LOOP_KEYS) + """};
+    for (size_t i = 0; i < filtered_items.size(); i++) {
+""", speed=LOOP_OBJECT, group="loop_object"),
+        Edit(LOOP_OBJECT_INSERTS, _loop_object_inserts_with_keys(), speed=LOOP_OBJECT, group="loop_object"),
     ]),
     Rewrite("common/jinja/parser.cpp", "jinja-parser.cpp", [
         Edit("return parse_jinja_statement()", "return llamaprompt::jinja_guard_step(), parse_jinja_statement()"),
@@ -611,6 +650,146 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
     return rewrites, verdicts
 
 
+# The autoparser's generate_parser (common/chat-auto-parser-generator.cpp) renders the prompt,
+# the generation prompt (two more renders) and, with a continuation, appends the continued
+# message to both; then it builds the parser and grammar from non-message inputs and a copy of
+# the generation prompt made before any continuation (a literal prefix: the argument that lets
+# the prompt-only path skip generate_parser for add_generation_prompt requests). Where its text
+# shows exactly that, the build-tree copy calls llamaprompt_prompt_ready(data.prompt, nullptr)
+# just before the parser is built: requests that continue the final message or turn
+# add_generation_prompt off then stop there once their non-message inputs are known good
+# (src/cpp/shim_chat.cpp llamaprompt_generate_parser). Otherwise they run in full, as before.
+GENERATOR = "common/chat-auto-parser-generator.cpp"
+GENERATOR_DEF = re.compile(r"common_chat_params\s+peg_generator\s*::\s*generate_parser\s*\([^)]*\)\s*\{")
+GENERATOR_STOP = re.compile(r"\bauto\s+parser\s*=\s*autoparser\s*\.\s*build_parser\s*\(\s*inputs\s*,\s*(\w+)\s*\)\s*;")
+GENERATOR_READY = "llamaprompt_prompt_ready(data.prompt, nullptr); "
+# the autoparser's other sources: none may read the continued message (the parser is built from
+# the key's inputs and the generation prompt only)
+AUTOPARSER_SOURCES = ("common/chat-auto-parser-generator.cpp", "common/chat-auto-parser-helpers.cpp",
+                      "common/chat-diff-analyzer.cpp", "common/chat-peg-parser.cpp")
+
+
+def _generator_problems(tree: Tree, code: str) -> tuple[list[str], int]:
+    """(why generate_parser cannot stop before its parser, the stop point's offset in ``code``)."""
+    bodies = []
+    for m in GENERATOR_DEF.finditer(code):
+        close = _block_end(code, m.end() - 1)
+        body = code[m.end():close]
+        if re.search(r"common_chat_template_direct_apply\s*\(\s*tmpl\s*,\s*inputs\s*\)", body):
+            bodies.append((m.end(), body))
+    if len(bodies) != 1:
+        return [f"{len(bodies)} generate_parser definitions render the prompt (expected 1)"], -1
+    start, body = bodies[0]
+    stops = list(GENERATOR_STOP.finditer(body))
+    if len(stops) != 1:
+        return [f"'auto parser = autoparser.build_parser(inputs, ...);' occurs {len(stops)} times (expected 1)"], -1
+    stop = stops[0]
+    copy = stop.group(1)
+    before, after = body[:stop.start()], body[stop.start():]
+    problems = []
+    if before.count("{") != before.count("}"):
+        problems.append("the parser is not built at the function's top level")
+    if not re.search(r"\b" + copy + r"\s*=\s*data\s*\.\s*generation_prompt\s*;", before):
+        problems.append(f"'{copy}' is not a copy of the generation prompt")
+    if len(re.findall(r"\b" + copy + r"\b", before)) != 1 or len(re.findall(r"\b" + copy + r"\b", after)) != 1:
+        problems.append(f"'{copy}' is used other than as the parser's generation prompt")
+    after_result = re.sub(r"\breturn\s+data\s*;", " ", after)
+    for pattern, what in ((r"\bdata\s*\.\s*prompt\b", "reads or changes the prompt"),
+                          (r"\bdata\s*\.\s*generation_prompt\b", "reads the generation prompt"),
+                          (r"\bdata\b(?!\s*\.\s*\w)", "passes its result on or copies it"),
+                          (r"\b(messages|continue_msg|has_continuation)\b", "reads the messages"),
+                          (r"\b(try|catch)\b", "catches exceptions")):
+        if re.search(pattern, after_result):
+            problems.append(f"after the prompt, it {what}")
+    if re.search(r"\b(try|catch)\b", before):
+        problems.append("it catches exceptions")
+    if re.search(r"\binputs\b(?!\s*\.)", after[stop.end() - stop.start():]):
+        problems.append("after the prompt, it passes the whole inputs on (other than to build_parser)")
+    unkeyed = set(re.findall(r"\binputs\s*\.\s*(\w+)", after)) - KEYED_FIELDS
+    if unkeyed:
+        problems.append(f"after the prompt, it reads inputs.{', inputs.'.join(sorted(unkeyed))} (not in the key)")
+    shared = set(re.findall(IDENT, before)) & set(re.findall(IDENT, after)) - NOT_LOCALS - {copy, "autoparser"}
+    if shared:
+        problems.append(f"after the prompt, it reads {', '.join(sorted(shared))}, set before it")
+    # the parser itself: no autoparser source reads the continued message, except this prologue
+    for rel in AUTOPARSER_SOURCES:
+        if not tree.has(rel):
+            continue
+        text = code_only(tree.read(rel))
+        if rel == GENERATOR:
+            text = text[:start] + " " * len(before) + text[start + len(before):]
+        if re.search(r"\b(continue_msg|has_continuation)\b", text):
+            problems.append(f"{rel} reads the continued message outside generate_parser's prompt")
+    return problems, start + stop.start()
+
+
+def generator_rewrite(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], str]:
+    """(generate_parser's stop-point rewrite, if its text proves it; "prompt-only" or why not)."""
+    if not tree.has(GENERATOR):
+        notes.append(f"{GENERATOR}: not in this tree; requests that continue the final message or turn "
+                     "add_generation_prompt off run the full path")
+        return [], f"{GENERATOR} is not in this tree"
+    text = tree.read(GENERATOR)
+    problems, at = _generator_problems(tree, code_only(text))
+    if problems:
+        verdict = "; ".join(problems)
+        notes.append(f"{GENERATOR}: generate_parser has no prompt-only stop point ({verdict}); requests that "
+                     "continue the final message or turn add_generation_prompt off run the full path")
+        return [], verdict
+    line_start = text.rfind("\n", 0, at) + 1
+    old = text[line_start:text.find("\n", at)]
+    if text.count(old) != 1:
+        return [], "its build_parser line is not unique in the file"
+    edit = Edit(old, old[:at - line_start] + GENERATOR_READY + old[at - line_start:])
+    return [Rewrite(GENERATOR, f"mirror/{GENERATOR}", [edit])], "prompt-only"
+
+
+# common_chat_try_specialized_template chooses a handler by the template's source alone: each
+# branch is `if (<src.find(...) tests, or helpers called with src only>) { ...; return
+# common_chat_params_init_<name>(...); }` and it ends with `return std::nullopt;`. Where its text
+# shows exactly that, a template that took no handler once takes none again, and the fast path
+# skips the chain of source searches for it (src/cpp/shim_chat.cpp, LP_HANDLER_CHOICE_BY_SOURCE).
+HANDLER_CHOICE_DEF = re.compile(
+    r"std::optional<common_chat_params>\s+common_chat_try_specialized_template\s*\([^)]*\)\s*\{")
+SOURCE_ONLY_NAMES = {"src", "find", "std", "string", "npos"}
+
+
+def handler_choice_problems(tree: Tree) -> list[str]:
+    """Why the handler choice may depend on more than the template's source (empty: it does not)."""
+    code = code_only(tree.read("common/chat.cpp"))
+    m = HANDLER_CHOICE_DEF.search(code)
+    if not m:
+        return ["common_chat_try_specialized_template's definition is not found"]
+    close = _block_end(code, m.end() - 1)
+    body, i, problems = code[m.end():close], 0, []
+    while True:
+        rest = body[i:]
+        if re.fullmatch(r"\s*return\s+std::nullopt\s*;\s*", rest):
+            return problems
+        head = re.match(r"\s*if\s*\(", rest)
+        if not head:
+            return problems + [f"a statement other than a source test: '{' '.join(rest.split())[:60]}'"]
+        depth, j = 0, head.end() - 1
+        while j < len(rest):
+            depth += {"(": 1, ")": -1}.get(rest[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        cond = rest[head.end():j]
+        helpers = set(re.findall(r"\b(\w+)\s*\(\s*src\s*\)", cond))
+        names = set(re.findall(r"[A-Za-z_]\w*", cond)) - SOURCE_ONLY_NAMES - helpers
+        if names:
+            problems.append(f"a branch tests {', '.join(sorted(names))}, not only the source")
+        block = re.match(r"\s*\{", rest[j + 1:])
+        if not block:
+            return problems + ["a branch without a block"]
+        open_at = j + 1 + block.end() - 1
+        end = _block_end(rest, open_at)
+        if not re.search(r"\breturn\s+common_chat_params_init_\w+\s*\([^;]*\)\s*;\s*$", rest[open_at + 1:end]):
+            problems.append("a branch does not end by returning a handler's result")
+        i += end + 1
+
+
 def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites: bool = True,
                    handlers: list[Rewrite] | None = None) -> list[dict]:
     applied = []
@@ -648,7 +827,7 @@ def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites:
         if not rw.out:  # a header: written by mirror_headers
             headers[rw.rel] = text
             continue
-        if rw.rel.startswith(HANDLER_DIR + "/"):  # the stop point's declaration; line numbers kept
+        if rw.rel.startswith(HANDLER_DIR + "/") or rw.rel == GENERATOR:  # the stop point's declaration
             text = '#include "lp_prompt_ready.h"  // llamaprompt: see adapt_tree.py handler_rewrites\n#line 1\n' + text
         (out_dir / "generated" / rw.out).parent.mkdir(parents=True, exist_ok=True)
         target = out_dir / "generated" / rw.out
@@ -693,7 +872,8 @@ KEYED_FIELDS = {"tools", "tool_choice", "json_schema", "parallel_tool_calls", "r
                 "add_bos", "add_eos", "is_inference", "add_inference", "mark_input"}
 UNKEYED_FIELDS = {
     "messages": "reach the parser only through the generation prompt, a literal prefix",
-    "continue_msg": "only read with a continuation, which never takes the prompt-only path",
+    "continue_msg": "read only before the prompt-only path ends (the prompt and the generation prompt: "
+                    "generator_rewrite checks that no other autoparser code reads it)",
     "now": "the date: part of the analysis key (the day)",
 }
 
@@ -875,6 +1055,12 @@ def main(argv: list[str]) -> int:
     try:
         features = probe_features(tree)
         handlers, verdicts = handler_rewrites(tree, notes)
+        generator, generator_verdict = generator_rewrite(tree, notes)
+        choice_problems = handler_choice_problems(tree)
+        if choice_problems:
+            notes.append("common/chat.cpp: the specialized-handler choice may depend on more than the template "
+                         f"source ({'; '.join(choice_problems)}): it runs for every request")
+        handlers += generator
         rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers)
         server_chat_params_check(tree)
         server_main_check(tree)
@@ -897,10 +1083,14 @@ def main(argv: list[str]) -> int:
 
     info = {"features": {k: v["present"] for k, v in features.items()},
             "feature_docs": {k: v["what"] for k, v in features.items()},
-            "rewrites": rewrites, "notes": notes, "vocab_fields": fields, "prompt_only_handlers": verdicts}
+            "rewrites": rewrites, "notes": notes, "vocab_fields": fields, "prompt_only_handlers": verdicts,
+            "prompt_only_generator": generator_verdict,
+            "handler_choice_by_source": "; ".join(choice_problems) or True}
     header = ["// generated by third_party/adapt_tree.py from the llama.cpp tree's contents", "#pragma once"]
     for name, f in features.items():
         header.append(f"#define LP_HAS_{name.upper()} {int(f['present'])}")
+    header.append("// the specialized-handler choice reads only the template source (handler_choice_problems())")
+    header.append(f"#define LP_HANDLER_CHOICE_BY_SOURCE {int(not choice_problems)}")
     header.append("// request fields whose schema handlers need a vocab (vocab_fields())")
     header.append("#define LP_VOCAB_FIELDS " + ", ".join(json.dumps(n) for n in fields))
     header.append("#define LP_TREE_INFO_JSON " + json.dumps(json.dumps(info, sort_keys=True)))

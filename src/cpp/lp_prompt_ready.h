@@ -6,6 +6,9 @@
 // the handler's name (for describe()); in one (src/cpp/shim_chat.cpp,
 // llamaprompt_try_specialized_template) it ends the handler there, with this prompt, by
 // throwing llamaprompt::prompt_ready.
+// The autoparser's generate_parser (common/chat-auto-parser-generator.cpp) gets the same call,
+// with a null name, just before it builds its parser (adapt_tree.py generator_rewrite): the
+// prompt-only path of requests that continue the final message or turn add_generation_prompt off.
 #pragma once
 
 #include <string>

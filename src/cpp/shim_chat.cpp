@@ -33,6 +33,7 @@ struct prompt_ready {
 };
 static std::string parser_inputs_key(const common_chat_template & tmpl, const autoparser::generation_params & p);
 static bool prompt_only_applies(const autoparser::generation_params & params);
+static bool prompt_only_possible();
 struct parser_memo;
 static bool memo_knows(parser_memo & memo, const std::string & key);
 static void memo_add(parser_memo & memo, std::string key);
@@ -40,9 +41,32 @@ static int memo_takes_handler(parser_memo & memo, const common_chat_template & t
 static void memo_set_takes_handler(parser_memo & memo, const common_chat_template & tmpl, bool takes);
 }  // namespace llamaprompt
 
+namespace llamaprompt {
+// calls fn() (a handler, or generate_parser) with its prompt-only stop point armed
+// (lp_prompt_ready.h): true, with `prompt`, when it stopped there; false, with its result in
+// `out`, when it has no stop point and ran in full
+template <typename T, typename F>
+static bool stopped_at_prompt(handler_state & st, F && fn, T & out, std::string & prompt) {
+    st.stop_at_prompt = true;
+    try {
+        out = fn();
+    } catch (prompt_ready & ready) {
+        st.stop_at_prompt = false;
+        st.prompt_only_used = true;
+        prompt = std::move(ready.prompt);
+        return true;
+    } catch (...) {
+        st.stop_at_prompt = false;
+        throw;
+    }
+    st.stop_at_prompt = false;
+    return false;
+}
+}  // namespace llamaprompt
+
 void llamaprompt_prompt_ready(const std::string & prompt, const char * handler) {
     using llamaprompt::current_handler;
-    if (current_handler) {
+    if (current_handler && handler) {  // null: the autoparser's generate_parser, not a handler
         current_handler->stop_point = handler;
     }
     if (current_handler && current_handler->stop_at_prompt) {
@@ -64,6 +88,14 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
     }
     std::string key;
     const int takes_handler = st && st->memo ? memo_takes_handler(*st->memo, tmpl) : -1;
+#if LP_HANDLER_CHOICE_BY_SOURCE
+    if (takes_handler == 0) {
+        // the choice reads only tmpl's source (adapt_tree.py handler_choice_problems), which took
+        // no handler before: the chain of source searches would choose none again
+        st->specialized_used = false;
+        return std::nullopt;
+    }
+#endif
     if (st && st->memo && llamaprompt::prompt_only_applies(params) && takes_handler != 0) {
         try {
             key = "handler\x1f" + parser_inputs_key(tmpl, params);
@@ -73,21 +105,12 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
     }
     std::optional<common_chat_params> result;
     if (!key.empty() && st->prompt_only && memo_knows(*st->memo, key)) {
-        st->stop_at_prompt = true;
-        try {
-            result = common_chat_try_specialized_template(tmpl, src, params);
-        } catch (prompt_ready & ready) {
-            st->stop_at_prompt = false;
+        common_chat_params data;
+        if (stopped_at_prompt(*st, [&]() { return common_chat_try_specialized_template(tmpl, src, params); }, result,
+                              data.prompt)) {
             st->specialized_used = true;
-            st->prompt_only_used = true;
-            common_chat_params data;
-            data.prompt = std::move(ready.prompt);
             return data;
-        } catch (...) {
-            st->stop_at_prompt = false;
-            throw;
         }
-        st->stop_at_prompt = false;  // this handler has no stop point: it ran in full
     } else {
         result = common_chat_try_specialized_template(tmpl, src, params);
     }
@@ -293,12 +316,14 @@ static std::string parser_inputs_key(const common_chat_template & tmpl, const au
     return key;
 }
 
-// only when the prompt is exactly the full path's first render: no continuation (which
-// appends to it), and the generation prompt's own render is the same call; not at debug
-// verbosity (chat.cpp then dumps the generated parser)
+// not at debug verbosity (chat.cpp then dumps the generated parser)
+static bool prompt_only_possible() { return common_log_get_verbosity_thold() < LOG_LEVEL_DEBUG; }
+
+// the prompt is exactly the full path's first render: no continuation (which appends to it),
+// and the generation prompt's own render is the same call
 static bool prompt_only_applies(const autoparser::generation_params & params) {
     return params.add_generation_prompt && params.continue_final_message == COMMON_CHAT_CONTINUATION_NONE &&
-           common_log_get_verbosity_thold() < LOG_LEVEL_DEBUG;
+           prompt_only_possible();
 }
 
 static bool memo_knows(parser_memo & memo, const std::string & key) {
@@ -339,7 +364,7 @@ static common_chat_params llamaprompt_generate_parser(const common_chat_template
     }
     parser_memo * memo = st ? st->memo : nullptr;
     std::string key;
-    if (memo && prompt_only_applies(params)) {
+    if (memo && prompt_only_possible()) {
         try {
             key = parser_inputs_key(tmpl, params);
         } catch (const std::exception &) {
@@ -347,9 +372,18 @@ static common_chat_params llamaprompt_generate_parser(const common_chat_template
         }
     }
     if (!key.empty() && st->prompt_only && memo_knows(*memo, key)) {
+        if (prompt_only_applies(params)) {
+            common_chat_params data;
+            data.prompt = common_chat_template_direct_apply(tmpl, params);
+            st->prompt_only_used = true;
+            return data;
+        }
+        // a continuation, or no generation prompt: generate_parser's own prompt and generation
+        // prompt renders, up to its stop point before the parser (adapt_tree.py generator_rewrite);
+        // a tree without that stop point runs it in full
         common_chat_params data;
-        data.prompt = common_chat_template_direct_apply(tmpl, params);
-        st->prompt_only_used = true;
+        stopped_at_prompt(*st, [&]() { return autoparser::peg_generator::generate_parser(tmpl, params, ap); }, data,
+                          data.prompt);
         return data;
     }
     common_chat_params data = autoparser::peg_generator::generate_parser(tmpl, params, ap);

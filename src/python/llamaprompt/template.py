@@ -154,7 +154,10 @@ class ChatTemplate:
             format, chat_template_kwargs, ... -- everything ``generate_parser`` reads except
             the messages) generated its parser and grammar without error, the prompt comes
             from ``common_chat_template_direct_apply`` alone, the first step of
-            ``generate_parser``. Outputs and errors are identical (the test suite proves it
+            ``generate_parser`` (a continuation, or ``add_generation_prompt`` off: from
+            ``generate_parser``'s renders, stopped before it builds the parser); a specialized
+            handler stops at its prompt where the configure-time probe proves it, and the
+            handler choice is made once per template. Outputs and errors are identical (the test suite proves it
             for every reference case; docs/performance.md gives the argument and its two
             theoretical limits); ``False`` runs the unmodified upstream sequence on every
             call.
