@@ -346,6 +346,21 @@ HEADER_REWRITES = [
             return;
         }
         if (has_key(key)) {""", speed="object insert: the key hashed once, not twice"),
+        # string equality (every object-key lookup, ==, `in`) built both strings' full text; two
+        # single-part strings (the common case: keys, literals, input fields) are compared as they are
+        Edit("""    virtual bool equivalent(const value_t & other) const override {
+        return typeid(*this) == typeid(other) && val_str.str() == other.val_str.str();
+    }
+""", """    virtual bool equivalent(const value_t & other) const override {
+        if (typeid(*this) != typeid(other)) {
+            return false;
+        }
+        if (val_str.parts.size() == 1 && other.val_str.parts.size() == 1) {
+            return val_str.parts[0].val == other.val_str.parts[0].val;  // what str() returns for one part
+        }
+        return val_str.str() == other.val_str.str();
+    }
+""", speed="string equality (object-key lookups): no copies of single-part strings"),
     ]),
     Rewrite("common/jinja/runtime.h", "", [
         # a new scope (every `for` iteration, macro call, call block) re-inserted each variable of
