@@ -6,6 +6,7 @@ is timed. No figure is asserted: timings are reported by the benchmark, not test
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,28 @@ def test_transformers_renderer_is_transformers_own():
     assert render(messages=messages, add_generation_prompt=False, bos_token="") == "<user>hi"
     with pytest.raises(Exception, match="boom"):
         bench.transformers_renderer("{{ raise_exception('boom') }}")(messages=[], add_generation_prompt=False)
+
+
+@pytest.mark.slow  # two programs under valgrind, ~40 s
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_instruction_count_benchmark(tmp_path):
+    # benchmarks/instructions.py: callgrind's count per apply_template, one round; with the
+    # installed module as its own reference the ratio is 1 (the count is deterministic)
+    import llamaprompt
+
+    core = next(Path(llamaprompt.__file__).parent.glob("_core*.so"))
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "instructions.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1", "--reference", str(core), "Qwen-Qwen3-0.6B.jinja"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| Qwen-Qwen3-0.6B.jinja |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    mine, theirs = (int(c.replace(",", "")) for c in cells[1:3])
+    assert 100_000 < mine < 100_000_000
+    assert abs(mine - theirs) <= mine * 0.005, row  # the same module: the same count (paths differ)
+    bad = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
