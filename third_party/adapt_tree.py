@@ -585,6 +585,25 @@ def _without_calls(code: str, functions: tuple[str, ...]) -> str:
 RENDERS = ("common_chat_template_direct_apply_impl", "common_chat_template_generation_prompt_impl")
 
 
+def _after_prompt_problems(after: str, messages: str, whole_inputs: str) -> list[str]:
+    """What the code ``after`` a stop point must not do: read or change the prompt or the
+    generation prompt, pass its result on, read ``messages`` (a regex of the names that carry
+    them), catch exceptions, pass ``inputs`` whole (searched in ``whole_inputs``), or read an
+    ``inputs`` field that the parser-inputs key leaves out."""
+    after_result = re.sub(r"\breturn\s+data\s*;", " ", after)  # the function's own result
+    checks = ((after_result, r"\bdata\s*\.\s*prompt\b", "reads or changes the prompt"),
+              (after_result, r"\bdata\s*\.\s*generation_prompt\b", "reads the generation prompt"),
+              (after_result, r"\bdata\b(?!\s*\.\s*\w)", "passes its result on or copies it"),
+              (after_result, rf"\b({messages})\b", "reads the messages"),
+              (after_result, r"\b(try|catch)\b", "catches exceptions"),
+              (whole_inputs, r"\binputs\b(?!\s*\.)", "passes the whole inputs on"))
+    problems = [f"after the prompt, it {what}" for text, pattern, what in checks if re.search(pattern, text)]
+    unkeyed = set(re.findall(r"\binputs\s*\.\s*(\w+)", after)) - KEYED_FIELDS - {"has_continuation", "messages"}
+    if unkeyed:
+        problems.append(f"after the prompt, it reads inputs.{', inputs.'.join(sorted(unkeyed))} (not in the key)")
+    return problems
+
+
 def _prompt_only_problems(body: str, stop: re.Match, macros: set[str]) -> list[str]:
     """Why the handler body cannot stop at ``stop`` (empty: it can). Conservative: text rules
     that a handler written another way fails, never the reverse (tests/test_adapt_tree.py)."""
@@ -598,20 +617,9 @@ def _prompt_only_problems(body: str, stop: re.Match, macros: set[str]) -> list[s
     if cont:  # a continuation never takes the prompt-only path
         close = _block_end(after, cont.end() - 1)
         after = after[:cont.start()] + after[close + 1:]
-    after_result = re.sub(r"\breturn\s+data\s*;", " ", after)  # the handler's own result
-    for pattern, what in ((r"\bdata\s*\.\s*prompt\b", "reads or changes the prompt"),
-                          (r"\bdata\s*\.\s*generation_prompt\b", "reads the generation prompt"),
-                          (r"\bdata\b(?!\s*\.\s*\w)", "passes its result on or copies it"),
-                          (r"\bmessages\b", "reads the messages"),
-                          (r"\b(try|catch)\b", "catches exceptions"),
-                          (r"\binputs\b(?!\s*\.)", "passes the whole inputs on")):
-        if re.search(pattern, after_result):
-            problems.append(f"after the prompt, it {what}")
+    problems += _after_prompt_problems(after, "messages", re.sub(r"\breturn\s+data\s*;", " ", after))
     if re.search(r"\b(try|catch)\b", before):
         problems.append("it catches exceptions")
-    unkeyed = set(re.findall(r"\binputs\s*\.\s*(\w+)", after)) - KEYED_FIELDS - {"has_continuation", "messages"}
-    if unkeyed:
-        problems.append(f"after the prompt, it reads inputs.{', inputs.'.join(sorted(unkeyed))} (not in the key)")
     # aliases made before the prompt: of the result, of the inputs, captured by a lambda
     if re.search(r"&\s*data\b|=\s*data\b(?!\s*\.)|=\s*&?\s*data\s*\.\s*(prompt|generation_prompt)\b", before):
         problems.append("before the prompt, it takes a reference or pointer to its result")
@@ -708,21 +716,11 @@ def _generator_problems(tree: Tree, code: str) -> tuple[list[str], int]:
         problems.append(f"'{copy}' is not a copy of the generation prompt")
     if len(re.findall(r"\b" + copy + r"\b", before)) != 1 or len(re.findall(r"\b" + copy + r"\b", after)) != 1:
         problems.append(f"'{copy}' is used other than as the parser's generation prompt")
-    after_result = re.sub(r"\breturn\s+data\s*;", " ", after)
-    for pattern, what in ((r"\bdata\s*\.\s*prompt\b", "reads or changes the prompt"),
-                          (r"\bdata\s*\.\s*generation_prompt\b", "reads the generation prompt"),
-                          (r"\bdata\b(?!\s*\.\s*\w)", "passes its result on or copies it"),
-                          (r"\b(messages|continue_msg|has_continuation)\b", "reads the messages"),
-                          (r"\b(try|catch)\b", "catches exceptions")):
-        if re.search(pattern, after_result):
-            problems.append(f"after the prompt, it {what}")
+    # `inputs` whole goes to build_parser only: the rest of the code after that statement
+    rest = after[stop.end() - stop.start():]
+    problems += _after_prompt_problems(after, "messages|continue_msg|has_continuation", rest)
     if re.search(r"\b(try|catch)\b", before):
         problems.append("it catches exceptions")
-    if re.search(r"\binputs\b(?!\s*\.)", after[stop.end() - stop.start():]):
-        problems.append("after the prompt, it passes the whole inputs on (other than to build_parser)")
-    unkeyed = set(re.findall(r"\binputs\s*\.\s*(\w+)", after)) - KEYED_FIELDS
-    if unkeyed:
-        problems.append(f"after the prompt, it reads inputs.{', inputs.'.join(sorted(unkeyed))} (not in the key)")
     shared = set(re.findall(IDENT, before)) & set(re.findall(IDENT, after)) - NOT_LOCALS - {copy, "autoparser"}
     if shared:
         problems.append(f"after the prompt, it reads {', '.join(sorted(shared))}, set before it")
