@@ -5,7 +5,9 @@ edited the way upstream might edit it."""
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +39,7 @@ def tree(tmp_path) -> Path:
             shutil.copy(f, dst / "tools" / "server" / f.name)
     (dst / "src").mkdir()
     shutil.copy(src / "src" / "llama-vocab.cpp", dst / "src")
+    shutil.copytree(src / "vendor" / "nlohmann", dst / "vendor" / "nlohmann")
     return dst
 
 
@@ -381,7 +384,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine")]
-    assert len(engine) == 10
+    assert len(engine) == 19
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])
@@ -399,9 +402,98 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert not [r for r in _info(tmp_path)["rewrites"] if r.get("engine") and r["applied"]]
     for rel in ("jinja/runtime.h", "jinja/value.h"):
         assert (mirrored / rel).read_bytes() == (tree / "common" / rel).read_bytes()
+    for rel in ("json.hpp", "json_fwd.hpp"):
+        vendored = tree / "vendor" / "nlohmann" / rel
+        assert (mirrored.parent / "vendor" / "nlohmann" / rel).read_bytes() == vendored.read_bytes()
     assert (
         "auto builtins = input->get_builtins();" in (tmp_path / "out" / "generated" / "jinja-runtime.cpp").read_text()
     )
+
+
+NLOHMANN = ("vendor", "nlohmann", "json.hpp")
+GROW = "llamaprompt_grow_by_moving(static_cast<Container &>(*this), t);"
+
+
+def test_json_object_growth_rewrite(tree, tmp_path):
+    # nlohmann's ordered_map grows its vector of pair<const Key, T> (no noexcept move: copied) by
+    # emplace_back in its two emplace overloads; both call sites get the move-growth first
+    assert _run(tree, tmp_path).returncode == 0
+    info = _info(tmp_path)
+    rows = [r for r in info["rewrites"] if r["file"] == "/".join(NLOHMANN)]
+    assert len(rows) == 3 and all(r["applied"] for r in rows), rows
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)).read_text()
+    original = tree.joinpath(*NLOHMANN).read_text()
+    assert text.count(GROW) == 2
+    assert text.index("inline void llamaprompt_grow_by_moving(") < text.index("struct ordered_map : std::vector")
+    # nothing else changed: lines were only added, before ordered_map and before its two emplace_back
+    ops = difflib.SequenceMatcher(None, original.splitlines(), text.splitlines(), autojunk=False).get_opcodes()
+    assert {op[0] for op in ops} == {"equal", "insert"}
+    assert len([op for op in ops if op[0] == "insert"]) == 3
+
+
+def test_json_object_growth_rewrite_is_all_or_nothing(tree, tmp_path):
+    # one of the two emplace call sites changed upstream: neither is rewritten (a group), the
+    # header is mirrored as it is, with a message
+    _edit(
+        tree.joinpath(*NLOHMANN),
+        "        Container::emplace_back(key, std::forward<T>(t));\n",
+        "        this->emplace_back(key, std::forward<T>(t));\n",
+    )
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [r for r in _info(tmp_path)["rewrites"] if r["file"] == "/".join(NLOHMANN)]
+    assert len(rows) == 3 and not any(r["applied"] for r in rows)
+    mirrored = tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)
+    assert mirrored.read_bytes() == tree.joinpath(*NLOHMANN).read_bytes()
+    assert any("vendor/nlohmann/json.hpp: engine rewrite not applied" in n for n in _info(tmp_path)["notes"])
+    # a tree without the vendored header: nothing to rewrite or mirror, the build goes on
+    shutil.rmtree(tree / "vendor")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [r for r in _info(tmp_path)["rewrites"] if r["file"] == "/".join(NLOHMANN)]
+    assert rows and all(r["skipped"] == "the file is not in this tree" for r in rows)
+    assert not mirrored.exists()
+
+
+VALUE_H = ("common", "jinja", "value.h")
+
+
+def _leaves(tmp_path: Path) -> set[str]:
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    return set(re.findall(r"template <> struct llamaprompt_leaf_value<(\w+)>", text))
+
+
+def test_type_tests_of_leaf_value_types(tree, tmp_path):
+    # facts from reading value.h: value_tuple_t derives from value_array_t, the other value types
+    # from value_t only, and nothing else in the tree derives from them
+    assert _run(tree, tmp_path).returncode == 0
+    leaves = _leaves(tmp_path)
+    assert {"value_string_t", "value_object_t", "value_int_t", "value_undefined_t", "value_tuple_t"} <= leaves
+    assert "value_array_t" not in leaves
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    assert "dynamic_cast<const PointeeType*>" not in text and text.count("llamaprompt_cast_val<PointeeType>") == 4
+    assert "value_array_t (a base in common/jinja/value.h)" in " ".join(_info(tmp_path)["notes"])
+
+
+def test_a_derived_value_type_keeps_dynamic_cast(tree, tmp_path):
+    # a server file deriving from value_string_t: that type is no leaf, the others still are
+    derived = "struct lp_str : jinja::value_string_t {};\n#include"
+    _edit(tree / "tools" / "server" / "server-common.cpp", "#include", derived)
+    assert _run(tree, tmp_path).returncode == 0
+    leaves = _leaves(tmp_path)
+    assert "value_string_t" not in leaves and "value_object_t" in leaves
+    assert "value_string_t (a base in tools/server/server-common.cpp)" in " ".join(_info(tmp_path)["notes"])
+
+
+def test_a_class_template_deriving_from_its_parameter_keeps_every_dynamic_cast(tree, tmp_path):
+    # `template <class B> struct mixin : public B` could derive from any value type
+    mixin = "#pragma once\ntemplate <class B> struct lp_mixin : public B {};\n"
+    _edit(tree / "common" / "chat.h", "#pragma once\n", mixin)
+    assert _run(tree, tmp_path).returncode == 0
+    mirrored = tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)
+    assert mirrored.read_bytes() != tree.joinpath(*VALUE_H).read_bytes()  # its other rewrites
+    assert not _leaves(tmp_path) and "dynamic_cast<const PointeeType*>(ptr.get()) != nullptr" in mirrored.read_text()
+    assert "(a base in common/chat.h)" in " ".join(_info(tmp_path)["notes"])
 
 
 # the autoparser's generate_parser: its stop point before the parser is built (generator_rewrite)

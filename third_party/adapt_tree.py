@@ -311,9 +311,63 @@ REWRITES = [
 ]
 
 
-# Engine rewrites in headers (common/jinja/*.h): compiled by every _core file through the
-# mirror of the tree's common/ headers (mirror_headers). Function bodies only, never a class
-# layout: the llama-common objects compiled with the tree's headers stay compatible.
+# nlohmann::ordered_map (the JSON objects of llama.cpp's request and chat code): its entries,
+# pair<const Key, T>, have no noexcept move constructor, so std::vector's own growth copies every
+# value -- whole JSON subtrees: a request's messages, tools -- at each reallocation, while parsing
+# a body and while building the server's parameters key by key. A full map now grows by moving
+# its values (llamaprompt_grow_by_moving, declared before ordered_map): the same capacity as the
+# vector's growth, the same entries in the same order; if copying a key throws, the values moved
+# so far are moved back; a value to insert that is one of the map's own is left to the vector.
+ORDERED_MAP = "JSON object insert: a full object grows by moving its values, not copying them"
+ORDERED_MAP_DECL = """template <class Key, class T, class IgnoredLess = std::less<Key>,
+          class Allocator = std::allocator<std::pair<const Key, T>>>
+              struct ordered_map : std::vector<std::pair<const Key, T>, Allocator>
+{"""
+GROW_BY_MOVING = """// llamaprompt (an engine rewrite, see its adapt_tree.py): a full ordered_map grows by moving its
+// values; the vector would copy them (its entries have no noexcept move constructor)
+template <class Container, class T>
+inline void llamaprompt_grow_by_moving(Container & entries, const T & value)
+{
+    if (entries.size() != entries.capacity())
+    {
+        return;
+    }
+    const void * at = std::addressof(value);
+    const void * first = entries.data();
+    const void * last = entries.data() + entries.size();
+    if (!std::less<const void *>()(at, first) && std::less<const void *>()(at, last))
+    {
+        return;  // the value is one of the entries: the vector's growth handles that
+    }
+    Container grown(entries.get_allocator());
+    grown.reserve(entries.empty() ? 1 : 2 * entries.size());  // the vector's growth
+    std::size_t moved = 0;
+    try
+    {
+        for (auto & entry : entries)
+        {
+            grown.emplace_back(entry.first, std::move(entry.second));
+            ++moved;
+        }
+    }
+    catch (...)
+    {
+        for (std::size_t i = 0; i < moved; ++i)
+        {
+            entries[i].second = std::move(grown[i].second);
+        }
+        throw;
+    }
+    entries.swap(grown);
+}
+
+"""
+
+
+# Engine rewrites in headers (common/jinja/*.h, vendor/nlohmann/json.hpp): compiled by every _core
+# file through the mirror of the tree's common/ and nlohmann headers (mirror_headers; llama-common
+# and mtmd include nlohmann's from there too). Function bodies (and a function they call) only,
+# never a class layout: the llama-common objects compiled with the tree's headers stay compatible.
 HEADER_REWRITES = [
     Rewrite("common/jinja/value.h", "", [
         # an insert hashed the key twice (has_key, then operator[]); one try_emplace for a plain
@@ -401,17 +455,148 @@ HEADER_REWRITES = [
     }
 """, speed="variable lookup: no `undefined` value built for a found name, one hash lookup instead of two"),
     ]),
+    Rewrite("vendor/nlohmann/json.hpp", "", [
+        Edit(ORDERED_MAP_DECL, GROW_BY_MOVING + ORDERED_MAP_DECL, speed=ORDERED_MAP, group="ordered_map"),
+        Edit("        Container::emplace_back(key, std::forward<T>(t));\n",
+             "        llamaprompt_grow_by_moving(static_cast<Container &>(*this), t);\n"
+             "        Container::emplace_back(key, std::forward<T>(t));\n", speed=ORDERED_MAP, group="ordered_map"),
+        Edit("        Container::emplace_back(std::forward<KeyType>(key), std::forward<T>(t));\n",
+             "        llamaprompt_grow_by_moving(static_cast<Container &>(*this), t);\n"
+             "        Container::emplace_back(std::forward<KeyType>(key), std::forward<T>(t));\n",
+             speed=ORDERED_MAP, group="ordered_map"),
+    ]),
 ]
 
 
+# Type tests of Jinja values (is_val / cast_val in common/jinja/value.h): a dynamic_cast, which
+# walks the class hierarchy (~100 instructions; ~7% of a render). For a value type that no class
+# derives from, a value is of that type exactly when its dynamic type is that type, so typeid
+# equality answers the same. Which types are such leaves is probed on the program that includes
+# the header: the tree's common/ and tools/server/ and llamaprompt's src/cpp; any text that could
+# name one as a base (in a base list, a typedef or an alias) keeps dynamic_cast for that type.
+LEAF_TYPE_TEST = "value type tests: typeid equality, not dynamic_cast, for the types no class derives from"
+VALUE_TYPE_DEF = re.compile(r"\bstruct\s+(value_\w+_t)\s*:\s*public\s+\w+\s*\{")
+SRC_CPP = HERE.parent / "src" / "cpp"
+IS_VAL = "template<typename T>\nbool is_val(const value & ptr) {\n"
+TYPE_TESTS = [  # (upstream's line in is_val / cast_val, the same through llamaprompt_cast_val[, count])
+    ("    return dynamic_cast<const PointeeType*>(ptr.get()) != nullptr;\n",
+     "    return llamaprompt_cast_val<PointeeType>(ptr.get()) != nullptr;\n"),
+    ("    return dynamic_cast<const PointeeType*>(ptr) != nullptr;\n",
+     "    return llamaprompt_cast_val<PointeeType>(ptr) != nullptr;\n"),
+    ("    return dynamic_cast<const PointeeType*>(ptr.get());\n",
+     "    return llamaprompt_cast_val<PointeeType>(ptr.get());\n"),
+    ("    return dynamic_cast<PointeeType*>(ptr.get());\n",
+     "    return const_cast<PointeeType*>(llamaprompt_cast_val<PointeeType>(ptr.get()));\n"),
+    # a string's (and a keyword argument's) hash -- each object-key lookup -- began by hashing its
+    # type's name (hash_code: a strlen and a hash of the mangled name); for a leaf type that is one
+    # value, computed once
+    ("        const auto type_hash = typeid(*this).hash_code();\n",
+     "        const auto type_hash = llamaprompt_type_hash(*this);\n", 2),
+]
+
+
+CLASS_TEMPLATE = re.compile(r"template\s*<([^<>]*)>\s*(?:struct|class)\s+\w+\s*(?:<[^{;]*?>)?\s*(?:final\s*)?"
+                            r"(?<!:):(?!:)([^{;]*)\{")
+
+
+def _derives_from_parameter(text: str) -> bool:
+    """Whether a class template in ``text`` has one of its own type parameters as a base."""
+    for m in CLASS_TEMPLATE.finditer(text):
+        params = set(re.findall(r"\b(?:typename|class)\s+(\w+)", m.group(1)))
+        bases, depth, item = [], 0, ""
+        for ch in m.group(2) + ",":
+            depth += (ch == "<") - (ch == ">")
+            if ch == "," and depth == 0:
+                bases.append(re.sub(r"\b(?:public|protected|private|virtual)\b", "", item).strip())
+                item = ""
+            else:
+                item += ch
+        if params & set(bases):
+            return True
+    return False
+
+
+def _names_as_base(name: str) -> re.Pattern:
+    """Text that could make ``name`` a base class: in a base list, a typedef or an alias."""
+    q = r"(?:::\s*)?(?:jinja\s*::\s*)?"
+    return re.compile(rf"(?:[:,]\s*(?:(?:public|protected|private|virtual)\s+)*{q}{name}\b(?!\s*::)"
+                      rf"|\btypedef\b[^;]*\b{name}\b|\busing\s+\w+\s*=\s*{q}{name}\s*;)")
+
+
+def leaf_value_types(tree: Tree) -> tuple[list[str], dict[str, str]]:
+    """The value types of common/jinja/value.h that nothing derives from, and for each other one
+    the file whose text could derive from it."""
+    types = VALUE_TYPE_DEF.findall(code_only(tree.read("common/jinja/value.h")))
+    texts: list[tuple[str, str]] = []
+    for top in ("common", "tools/server"):
+        for path in sorted((tree.root / top).rglob("*")):
+            if path.is_file() and path.suffix in (".h", ".hpp", ".cpp", ".c", ".inc"):
+                rel = path.relative_to(tree.root).as_posix()
+                texts.append((rel, code_only(tree.read(rel))))
+    for path in sorted(SRC_CPP.glob("*")):
+        if path.is_file():
+            texts.append((f"llamaprompt src/cpp/{path.name}", code_only(path.read_text(encoding="utf-8"))))
+    derived: dict[str, str] = {}
+    # a class template deriving from its own parameter could derive from any of them
+    mixin = next((rel for rel, text in texts if _derives_from_parameter(text)), None)
+    if mixin:
+        return [], {name: mixin for name in types}
+    for name in types:
+        pattern = _names_as_base(name)
+        where = next((rel for rel, text in texts if pattern.search(text)), None)
+        if where:
+            derived[name] = where
+    return [t for t in types if t not in derived], derived
+
+
+def leaf_type_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """value.h edits: is_val / cast_val test the leaf value types by typeid, a string's hash takes
+    its type's hash computed once (a group)."""
+    leaves, derived = leaf_value_types(tree)
+    if derived:
+        notes.append("common/jinja/value.h: type tests by dynamic_cast kept for " +
+                     ", ".join(f"{t} (a base in {where})" for t, where in sorted(derived.items())))
+    if not leaves:
+        return []
+    block = ["// llamaprompt (an engine rewrite, see its adapt_tree.py): the value types that no class",
+             "// derives from (probed over the tree's common/, tools/server/ and llamaprompt's sources);",
+             "// a value is one of them exactly when its dynamic type is, so their tests compare typeid",
+             "template <typename T> struct llamaprompt_leaf_value : std::false_type {};"]
+    for name in leaves:
+        block += [f"struct {name};", f"template <> struct llamaprompt_leaf_value<{name}> : std::true_type {{}};"]
+    block += ["template <typename T, typename V>",
+              "inline const T * llamaprompt_cast_val(const V * ptr) {",
+              "    if constexpr (llamaprompt_leaf_value<T>::value) {",
+              "        return ptr != nullptr && typeid(*ptr) == typeid(T) ? static_cast<const T *>(ptr) : nullptr;",
+              "    } else {",
+              "        return dynamic_cast<const T *>(ptr);",
+              "    }",
+              "}",
+              "template <typename T>",
+              "inline size_t llamaprompt_type_hash(const T & val) {",
+              "    if constexpr (llamaprompt_leaf_value<T>::value) {",
+              "        static const size_t type_hash = typeid(T).hash_code();  // typeid(val) is typeid(T)",
+              "        return type_hash;",
+              "    } else {",
+              "        return typeid(val).hash_code();",
+              "    }",
+              "}"]
+    edits = [Edit(IS_VAL, "\n".join(block) + "\n" + IS_VAL, speed=LEAF_TYPE_TEST, group="leaf_type_test")]
+    edits += [Edit(old, new, *count, speed=LEAF_TYPE_TEST, group="leaf_type_test") for old, new, *count in TYPE_TESTS]
+    return edits
+
+
 def mirror_headers(tree: Tree, out_dir: Path, rewritten: dict[str, str]) -> None:
-    """generated/mirror/common: every header of the tree's common/ (byte for byte, or rewritten).
+    """generated/mirror/common and generated/mirror/vendor/nlohmann: every header of the tree's
+    common/ and its vendored nlohmann/json (byte for byte, or rewritten).
 
     _core includes common/ from here, so that each of its files sees the same (rewritten)
-    headers, whichever header includes which."""
+    headers, whichever header includes which; _core, llama-common and mtmd include
+    <nlohmann/json.hpp> from here (CMakeLists.txt)."""
     mirror = out_dir / "generated" / "mirror"
     wanted: set[Path] = set()
-    for path in sorted((tree.root / "common").rglob("*")):
+    nlohmann = tree.root / "vendor" / "nlohmann"
+    for path in sorted((tree.root / "common").rglob("*")) + sorted(nlohmann.glob("*") if nlohmann.is_dir() else []):
         if path.suffix not in (".h", ".hpp") or not path.is_file():
             continue
         rel = path.relative_to(tree.root).as_posix()
@@ -457,17 +642,25 @@ def _digit_separator(text: str, i: int) -> bool:
     return bool(token and token.group(0)[:1].isdigit() and i + 1 < len(text) and text[i + 1].isalnum())
 
 
+CODE_MARK = re.compile(r"//|/\*|R\"|[\"']")  # where a comment or a literal may begin
+NOT_NEWLINE = re.compile(r"[^\n]")
+
+
 def code_only(text: str) -> str:
     """``text`` with comments and the insides of string / character literals blanked (same
     length, same line breaks), so that code patterns match code only."""
     out, i, n = list(text), 0, len(text)
 
     def blank(a: int, b: int) -> None:
-        for k in range(a, min(b, n)):
-            if out[k] != "\n":
-                out[k] = " "
+        b = min(b, n)
+        if a < b:
+            out[a:b] = NOT_NEWLINE.sub(" ", text[a:b])
 
     while i < n:
+        mark = CODE_MARK.search(text, i)
+        if mark is None:
+            break
+        i = mark.start()
         if text.startswith("//", i):
             j = text.find("\n", i)
             j = n if j < 0 else j
@@ -804,10 +997,20 @@ def handler_choice_problems(tree: Tree) -> list[str]:
 
 
 def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites: bool = True,
-                   handlers: list[Rewrite] | None = None) -> list[dict]:
+                   handlers: list[Rewrite] | None = None,
+                   header_edits: dict[str, list[Edit]] | None = None) -> list[dict]:
+    """Apply REWRITES, HEADER_REWRITES (with ``header_edits``' probed edits added to their files'
+    lists) and ``handlers``; write the copies and the header mirror; one record per edit."""
     applied = []
     headers: dict[str, str] = {}
-    for rw in REWRITES + HEADER_REWRITES + (handlers or []):
+    extra = header_edits or {}
+    header_rewrites = [Rewrite(rw.rel, rw.out, rw.edits + extra.get(rw.rel, [])) for rw in HEADER_REWRITES]
+    for rw in REWRITES + header_rewrites + (handlers or []):
+        if all(e.speed for e in rw.edits) and not tree.has(rw.rel):  # engine rewrites of a file it lacks
+            notes.append(f"{rw.rel}: not in this tree; its engine rewrites are not applied")
+            applied += [{"file": rw.rel, "pattern": e.old, "applied": False, "engine": e.speed,
+                         "skipped": "the file is not in this tree"} for e in rw.edits]
+            continue
         text = tree.read(rw.rel)
         incomplete = {e.group for e in rw.edits if e.group and text.count(e.old) != e.count}
         for e in rw.edits:
@@ -1074,7 +1277,10 @@ def main(argv: list[str]) -> int:
             notes.append("common/chat.cpp: the specialized-handler choice may depend on more than the template "
                          f"source ({'; '.join(choice_problems)}): it runs for every request")
         handlers += generator
-        rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers)
+        header_edits = {}
+        if tree.has("common/jinja/value.h"):
+            header_edits["common/jinja/value.h"] = leaf_type_test_edits(tree, notes)
+        rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, header_edits)
         server_chat_params_check(tree)
         server_main_check(tree)
         exiting_flags_check(tree)
