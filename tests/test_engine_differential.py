@@ -52,3 +52,24 @@ def test_a_reference_with_the_rewrites_is_refused():
     so = next(Path(llamaprompt.__file__).parent.glob("_core*.so"))
     with pytest.raises(SystemExit, match="LLAMAPROMPT_ENGINE_REWRITES=OFF"):
         ed.compare(so, 0, 0)
+
+
+def test_a_race_between_budgets_is_not_a_difference():
+    # the fuzz mutant with `{% for i in range(100000000) %}`: the size budget stops it after a
+    # few seconds, the 5 s time budget first on a loaded machine -- which one fires is speed
+    def raising(message):
+        def fn():
+            raise llamaprompt.TemplateError("While executing CallExpression ...\nError: " + message, 500)
+
+        return fn
+
+    timed_out = ed._outcome(raising("template execution exceeded the time budget (5.0 s)"))
+    too_big = ed._outcome(raising("template execution exceeded the size budget (a value of 67239888 bytes ...)"))
+    too_deep = ed._outcome(raising("template nested too deeply (half of the thread's stack used)"))
+    wrong = ed._outcome(raising("unknown filter"))
+    assert ed._stopped_by([timed_out]) == ["time"] and ed._stopped_by([too_big]) == ["size"]
+    assert ed._stopped_by([too_deep, too_big, {"ok": "x"}]) == ["size", "stack"] and ed._stopped_by([wrong]) == []
+    assert ed._budget_race(["time"], ["size"]) and ed._budget_race(["stack"], ["time"])
+    # not a race: a budget on one side only, or two deterministic budgets
+    assert not ed._budget_race(["time"], []) and not ed._budget_race([], ["time"])
+    assert not ed._budget_race(["size"], ["stack"])
