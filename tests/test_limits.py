@@ -45,6 +45,33 @@ def test_recursion_in_a_request_path_then_the_template_still_works():
     assert t.apply_template(HI) == "hi"
 
 
+SELF = "{% set l = [1] %}{% set _ = l.append(l) %}"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        SELF + "{{ l }}",  # printed (runtime.h gather_string_parts_recursive)
+        SELF + "{{ l|tojson }}",  # value_to_json_internal
+        SELF + "{{ l|string }}",  # value_to_string_repr
+        SELF + "{{ [l]|tojson(indent=2) }}",
+        # not a cycle: nested 50000 deep, then serialized
+        "{% set ns = namespace(l=[]) %}{% for i in range(50000) %}{% set ns.l = [ns.l] %}{% endfor %}"
+        "{{ ns.l|tojson }}",
+    ],
+)
+def test_a_value_nested_in_itself_raises_instead_of_crashing(body):
+    # llama.cpp's recursions over values (printing, tojson, repr, the load-time probes' usage
+    # marks) pass through the stack guard: a TemplateError, at load (the probes render it too)
+    # or at the request that reaches it
+    with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
+        llamaprompt.ChatTemplate(body, timeout=None).apply_template(HI)
+    t = llamaprompt.ChatTemplate(_trap(body), timeout=None)
+    with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
+        t.apply_template(_on("trap"))
+    assert t.apply_template(HI) == "hi"
+
+
 def test_bounded_recursion_is_untouched():
     src = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(500) }}{{ messages[0].content }}"
     assert llamaprompt.ChatTemplate(src).apply_template(HI) == "hi"

@@ -207,6 +207,16 @@ def _loop_object_inserts_with_keys() -> str:
     return text
 
 
+# the stack guard (jinja_guard.h) in the engine's recursions over values, which statement
+# execution does not reach: a list that contains itself, or one nested ~10^5 deep
+VALUE_RECURSION_GUARD = ("    ::llamaprompt::jinja_guard_step();"
+                         "  // llamaprompt: values nested in themselves recurse here\n")
+JSON_OF_VALUE = ("static void value_to_json_internal(std::ostringstream & oss, const value & val, int curr_lvl, "
+                 "int indent, const std::string_view item_sep, const std::string_view key_sep) {\n")
+REPR_OF_VALUE = "std::string value_to_string_repr(const value & val) {\n"
+MARK_USED = "void value_t::stats_t::mark_used(value & val, bool deep) {\n"  # the capability probes' usage marks
+OUTPUT_OF_VALUE = "static void gather_string_parts_recursive(const value & val, value_string & parts) {\n"
+
 REWRITES = [
     # get_media_marker() is per template (src/cpp/shim_server.cpp), not once per process
     Rewrite("tools/server/server-common.cpp", "server-common.cpp", [
@@ -272,6 +282,10 @@ REWRITES = [
 """, speed=LOOP_OBJECT, group="loop_object"),
         Edit(LOOP_OBJECT_INSERTS, _loop_object_inserts_with_keys(), speed=LOOP_OBJECT, group="loop_object"),
     ]),
+    # the capability probes render the template with llama.cpp's own messages at load: compiled
+    # from a copy (src/cpp/shim_jinja_caps.cpp) so that they see the mirrored runtime.h, whose
+    # value printing passes through the stack guard (OUTPUT_OF_VALUE)
+    Rewrite("common/jinja/caps.cpp", "jinja-caps.cpp", []),
     Rewrite("common/jinja/parser.cpp", "jinja-parser.cpp", [
         Edit("return parse_jinja_statement()", "return llamaprompt::jinja_guard_step(), parse_jinja_statement()"),
         Edit("return parse_if_expression()", "return llamaprompt::jinja_guard_step(), parse_if_expression()"),
@@ -287,6 +301,17 @@ REWRITES = [
     ]),
     Rewrite("common/jinja/value.cpp", "jinja-value.cpp", [
         Edit("out->push_back(mk_val<value_int>(i))", "llamaprompt_range_push(out, i)", count=2),
+        # a value nested in itself (`l.append(l)`) or very deeply: its JSON and its repr (print,
+        # `string`, `trim`, error messages) recurse without end -- the stack guard stops them
+        Edit(JSON_OF_VALUE, JSON_OF_VALUE + VALUE_RECURSION_GUARD,
+             requires=("common/jinja/value.cpp", "value_to_json_internal("),
+             lost="a value nested in itself overflows the stack in tojson (the process dies)"),
+        Edit(REPR_OF_VALUE, REPR_OF_VALUE + VALUE_RECURSION_GUARD,
+             requires=("common/jinja/value.cpp", "value_to_string_repr("),
+             lost="a value nested in itself overflows the stack when printed (the process dies)"),
+        Edit(MARK_USED, MARK_USED + VALUE_RECURSION_GUARD,
+             requires=("common/jinja/value.cpp", "stats_t::mark_used("),
+             lost="a value nested in itself overflows the stack in the load-time capability probes"),
         Edit("result += val_arr->as_string().str()",
              "result += llamaprompt_sized(result.size(), val_arr->as_string().str())"),
         Edit("str.replace(pos, old_str.length(), new_str)",
@@ -417,6 +442,15 @@ HEADER_REWRITES = [
 """, speed="string equality (object-key lookups): no copies of single-part strings"),
     ]),
     Rewrite("common/jinja/runtime.h", "", [
+        # printing a value gathers the parts of a list recursively: the stack guard there too
+        # (VALUE_RECURSION_GUARD above; its declaration first, at file scope)
+        Edit("#pragma once\n",
+             "#pragma once\nnamespace llamaprompt { void jinja_guard_step(); }  // llamaprompt: jinja_guard.h\n",
+             requires=("common/jinja/runtime.h", "gather_string_parts_recursive("),
+             lost="a list nested in itself overflows the stack when printed (the process dies)"),
+        Edit(OUTPUT_OF_VALUE, OUTPUT_OF_VALUE + VALUE_RECURSION_GUARD,
+             requires=("common/jinja/runtime.h", "gather_string_parts_recursive("),
+             lost="a list nested in itself overflows the stack when printed (the process dies)"),
         # a new scope (every `for` iteration, macro call, call block) re-inserted each variable of
         # its parent -- hashing each key twice -- after building six constants and a string that
         # the parent's variables then replace: its variables are exactly the parent's, in the
@@ -1007,7 +1041,7 @@ def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites:
     header_rewrites = [Rewrite(rw.rel, rw.out, rw.edits + extra.get(rw.rel, [])) for rw in HEADER_REWRITES]
     for rw in REWRITES + header_rewrites + (handlers or []):
         if all(e.speed for e in rw.edits) and not tree.has(rw.rel):  # engine rewrites of a file it lacks
-            notes.append(f"{rw.rel}: not in this tree; its engine rewrites are not applied")
+            notes.append(f"{rw.rel}: not in this tree; its rewrites are not applied")
             applied += [{"file": rw.rel, "pattern": e.old, "applied": False, "engine": e.speed,
                          "skipped": "the file is not in this tree"} for e in rw.edits]
             continue
