@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,14 @@ def test_version_and_commit():
     else:
         assert llamaprompt.LLAMA_CPP_COMMIT  # a checkout: its git commit, or "unknown"
     assert llamaprompt.__version__
+
+
+def test_pinned_template_by_name_or_path():
+    # pinned_templates() gives paths; each is accepted back, as a name with or without .jinja
+    first = llamaprompt.pinned_templates()[0]
+    assert llamaprompt.pinned_template(first) == first
+    assert llamaprompt.pinned_template(first.name) == first == llamaprompt.pinned_template(first.stem)
+    with pytest.raises(FileNotFoundError, match="no pinned template 'nope.jinja'"):
+        llamaprompt.pinned_template(Path("/elsewhere/nope.jinja"))
+    with pytest.raises(TypeError, match="not NoneType"):
+        llamaprompt.pinned_template(None)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ examples, the CLI default and tests need no checkout."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 __all__ = ["pinned_template", "pinned_templates", "DEFAULT_TEMPLATE"]
@@ -20,11 +21,17 @@ def pinned_templates() -> list[Path]:
     return sorted(_DIR.glob("*.jinja"))
 
 
-def pinned_template(name: str = DEFAULT_TEMPLATE) -> Path:
-    """Path of one shipped template, by file name (``.jinja`` may be omitted).
+def pinned_template(name: str | os.PathLike[str] = DEFAULT_TEMPLATE) -> Path:
+    """Path of one shipped template, by file name (``.jinja`` may be omitted), or by a path
+    whose file name is one (e.g. an element of :func:`pinned_templates`).
 
-    Raises FileNotFoundError (listing what exists) for an unknown name.
+    Raises FileNotFoundError (listing what exists) for an unknown name, TypeError for a name
+    that is neither a string nor a path.
     """
+    if isinstance(name, os.PathLike):
+        name = Path(name).name
+    if not isinstance(name, str):
+        raise TypeError(f"pinned_template() takes a file name or a path, not {type(name).__name__}")
     path = _DIR / (name if name.endswith(".jinja") else name + ".jinja")
     if not path.is_file():
         names = ", ".join(p.name for p in pinned_templates())
