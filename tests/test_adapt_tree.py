@@ -384,7 +384,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine")]
-    assert len(engine) == 19
+    assert len(engine) == 26
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])
@@ -498,6 +498,112 @@ def test_a_class_template_deriving_from_its_parameter_keeps_every_dynamic_cast(t
     assert mirrored.read_bytes() != tree.joinpath(*VALUE_H).read_bytes()  # its other rewrites
     assert not _leaves(tmp_path) and "dynamic_cast<const PointeeType*>(ptr.get()) != nullptr" in mirrored.read_text()
     assert "(a base in common/chat.h)" in " ".join(_info(tmp_path)["notes"])
+
+
+BOOL_INT_CALL = "val = llamaprompt_bool_int(v);"
+
+
+def test_boolean_integer_rewrite(tree, tmp_path):
+    # facts from reading value.h: value_bool_t builds `val = mk_val<value_int>(val_int)` and reads
+    # `val` only in unique_hash; the tree names value_bool only to build, test and declare one
+    assert _run(tree, tmp_path).returncode == 0
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    assert text.count(BOOL_INT_CALL) == 1 and "val = mk_val<value_int>(val_int);" not in text.split(
+        "struct value_bool_t")[1].split("};")[0]
+    assert text.index("inline value llamaprompt_bool_int(") < text.index("struct value_bool_t : public value_t")
+    rows = [r for r in _info(tmp_path)["rewrites"] if r.get("engine", "").startswith("Boolean values")]
+    assert len(rows) == 2 and all(r["applied"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "code, why",
+    [
+        (
+            "static int lp_b(const jinja::value & v) "
+            "{ return (int) jinja::cast_val<jinja::value_bool>(v)->val->val_int; }",
+            "names value_bool",
+        ),
+        (
+            "static void lp_b() { using namespace jinja; mk_val<value_bool>(true)->val->stats.used = true; }",
+            "dereferences a new Boolean",
+        ),
+    ],
+)
+def test_a_boolean_integer_reached_from_outside_keeps_its_own(tree, tmp_path, code, why):
+    # code that could reach a Boolean's integer: every Boolean keeps one of its own
+    _insert_before(tree / "tools" / "server" / "server-common.cpp", "#include", code + "\n")
+    assert _run(tree, tmp_path).returncode == 0
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    assert BOOL_INT_CALL not in text and "llamaprompt_bool_int" not in text
+    notes = " ".join(_info(tmp_path)["notes"])
+    assert "each Boolean keeps an integer value of its own" in notes and "tools/server/server-common.cpp" in notes
+    assert why in notes
+
+
+def test_a_boolean_reading_its_integer_elsewhere_keeps_its_own(tree, tmp_path):
+    # value_bool_t itself reading `val` outside its hash (here: its string form)
+    _edit(
+        tree.joinpath(*VALUE_H),
+        'virtual string as_string() const override { return std::string(val_int ? "True" : "False"); }',
+        'virtual string as_string() const override { return val->as_string(); }',
+    )
+    assert _run(tree, tmp_path).returncode == 0
+    assert "llamaprompt_bool_int" not in (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    assert "uses its member `val` other than in its hash" in " ".join(_info(tmp_path)["notes"])
+
+
+MAKE_SHARED = "    return std::make_shared<PointeeType>(std::forward<Args>(args)...);\n"
+
+
+def test_value_pool_rewrite(tree, tmp_path):
+    # fact from reading value.h: mk_val is `return std::make_shared<PointeeType>(...)`, the one
+    # place values are allocated; it now allocates through the per-thread free lists, nothing else changes
+    assert _run(tree, tmp_path).returncode == 0
+    mirrored = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    assert MAKE_SHARED not in mirrored
+    assert "std::allocate_shared<PointeeType>(llamaprompt_value_pool::allocator<PointeeType>()," in mirrored
+    assert mirrored.index("namespace llamaprompt_value_pool {") < mirrored.index("mk_val(Args&&... args)")
+    rows = [r for r in _info(tmp_path)["rewrites"] if r.get("engine", "").startswith("values: allocated")]
+    assert len(rows) == 2 and all(r["applied"] for r in rows)
+
+
+def test_value_pool_rewrite_is_all_or_nothing(tree, tmp_path):
+    # mk_val written another way: no pool (its block would be unused), a message
+    by_new = "    return std::shared_ptr<PointeeType>(new PointeeType(std::forward<Args>(args)...));\n"
+    _edit(tree.joinpath(*VALUE_H), MAKE_SHARED, by_new)
+    assert _run(tree, tmp_path).returncode == 0
+    mirrored = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    assert "llamaprompt_value_pool" not in mirrored
+    rows = [r for r in _info(tmp_path)["rewrites"] if r.get("engine", "").startswith("values: allocated")]
+    assert len(rows) == 2 and not any(r["applied"] for r in rows)
+    assert any("values: allocated from per-thread free lists" in n for n in _info(tmp_path)["notes"])
+
+
+RUNTIME_COPY = ("generated", "jinja-runtime.cpp")
+
+
+def test_member_property_text_rewrite(tree, tmp_path):
+    # facts from reading runtime.cpp: member_expression takes its property's text with
+    # property->as_string().str() in four places (obj.name, and the object / array-or-string /
+    # other branches); value_string_t::as_string() returns its val_str
+    assert _run(tree, tmp_path).returncode == 0
+    text = (tmp_path / "out").joinpath(*RUNTIME_COPY).read_text()
+    assert "property->as_string().str()" not in text
+    assert text.count("llamaprompt_value_text(property)") == 4
+    helper = text.index("static std::string llamaprompt_value_text(")
+    assert helper < text.index("value member_expression::execute_impl")
+
+
+def test_member_property_text_needs_as_string_to_be_val_str(tree, tmp_path):
+    _edit(
+        tree.joinpath(*VALUE_H),
+        "virtual string as_string() const override { return val_str; }",
+        "virtual string as_string() const override { string s = val_str; s.mark_input(); return s; }",
+    )
+    assert _run(tree, tmp_path).returncode == 0
+    text = (tmp_path / "out").joinpath(*RUNTIME_COPY).read_text()
+    assert "llamaprompt_value_text" not in text and text.count("property->as_string().str()") == 4
+    assert "member access copies its property's string value" in " ".join(_info(tmp_path)["notes"])
 
 
 # the autoparser's generate_parser: its stop point before the parser is built (generator_rewrite)

@@ -57,6 +57,8 @@ class Tree:
     # every file of the tree a probe found or read: an offline sdist must carry them all, since
     # a file it lacked would change what the probes decide (third_party/sdist_tree.py)
     inputs: set[str] = field(default_factory=set)
+    # _program_texts(): the sources that include common/jinja/value.h, comments and literals blanked
+    program_texts: list[tuple[str, str]] | None = field(default=None, repr=False, compare=False)
 
     def has(self, rel: str) -> bool:
         found = (self.root / rel).is_file()
@@ -281,6 +283,15 @@ REWRITES = [
     for (size_t i = 0; i < filtered_items.size(); i++) {
 """, speed=LOOP_OBJECT, group="loop_object"),
         Edit(LOOP_OBJECT_INSERTS, _loop_object_inserts_with_keys(), speed=LOOP_OBJECT, group="loop_object"),
+        # `for`: each item's variable setter (a std::function holding the variable's name: on the
+        # heap) was copied into the list of setters; the item and its setter, last used there, move
+        Edit("""        filtered_items.push_back(current);
+        scope_update_fns.push_back(scope_update_fn);
+    }
+""", """        filtered_items.push_back(std::move(current));
+        scope_update_fns.push_back(std::move(scope_update_fn));
+    }
+""", speed="for loop: each item's variable setter moved into the list, not copied"),
     ]),
     # the capability probes render the template with llama.cpp's own messages at load: compiled
     # from a copy (src/cpp/shim_jinja_caps.cpp) so that they see the mirrored runtime.h, whose
@@ -389,12 +400,115 @@ inline void llamaprompt_grow_by_moving(Container & entries, const T & value)
 """
 
 
+# Jinja values (mk_val: std::make_shared, one block of ~200-300 bytes for the value and its count)
+# are allocated and freed by the thousand per render, and freed in bursts (a scope, a loop object,
+# the render's result) that glibc's per-thread cache (7 blocks per size) does not absorb: its slow
+# path was a fifth of a render's instructions. mk_val now allocates through a per-thread free list
+# per size (16-byte classes up to 624 bytes, 1024 blocks kept per class and thread); a block freed
+# in another thread joins that thread's list, a block freed after its thread's lists are gone (or
+# larger ones) goes back to operator delete. The same values, constructed the same way.
+VALUE_POOL = "values: allocated from per-thread free lists, not malloc's slow path"
+MK_VAL_DECL = "template<typename T, typename... Args>\nstd::shared_ptr<typename extract_pointee<T>::type> mk_val("
+VALUE_POOL_BLOCK = """// llamaprompt (an engine rewrite, see its adapt_tree.py): the memory of values built by mk_val
+namespace llamaprompt_value_pool {
+struct free_block { free_block * next; };
+constexpr std::size_t granule = 16;
+constexpr std::size_t classes = 40;  // blocks of 16, 32, ..., 624 bytes
+constexpr unsigned keep = 1024;      // free blocks kept per class and thread
+struct lists {                       // trivial: one thread-local access per allocation, no guard
+    free_block * head[classes];
+    unsigned count[classes];
+    unsigned char state;             // 0 not used yet, 1 in use, 2 the thread is ending
+};
+inline lists & local() {
+    static thread_local lists l;
+    return l;
+}
+struct reaper {  // frees the thread's blocks when the thread ends
+    ~reaper() {
+        lists & l = local();
+        l.state = 2;
+        for (std::size_t c = 0; c < classes; ++c) {
+            while (free_block * b = l.head[c]) {
+                l.head[c] = b->next;
+                ::operator delete(b);
+            }
+            l.count[c] = 0;
+        }
+    }
+};
+inline void start(lists & l) {
+    static thread_local reaper r;
+    (void) r;
+    l.state = 1;
+}
+inline std::size_t size_class(std::size_t bytes) {  // 0: not pooled
+    const std::size_t c = (bytes + granule - 1) / granule;
+    return c < classes ? c : 0;
+}
+inline void * allocate(std::size_t bytes) {
+    const std::size_t c = size_class(bytes);
+    if (c == 0) {
+        return ::operator new(bytes);
+    }
+    lists & l = local();
+    if (l.state == 0) {
+        start(l);
+    }
+    if (free_block * b = l.head[c]) {  // (empty once the thread is ending)
+        l.head[c] = b->next;
+        --l.count[c];
+        return b;
+    }
+    return ::operator new(c * granule);  // the class's size: the block can be reused for any of it
+}
+inline void deallocate(void * p, std::size_t bytes) noexcept {
+    const std::size_t c = size_class(bytes);
+    if (c != 0) {
+        lists & l = local();
+        if (l.state == 1 && l.count[c] < keep) {
+            auto * b = static_cast<free_block *>(p);
+            b->next = l.head[c];
+            l.head[c] = b;
+            ++l.count[c];
+            return;
+        }
+    }
+    ::operator delete(p);
+}
+template <class T>
+struct allocator {
+    using value_type = T;
+    allocator() noexcept = default;
+    template <class U>
+    allocator(const allocator<U> &) noexcept {}
+    T * allocate(std::size_t n) {
+        static_assert(alignof(T) <= granule, "operator new's alignment");
+        return static_cast<T *>(llamaprompt_value_pool::allocate(n * sizeof(T)));
+    }
+    void deallocate(T * p, std::size_t n) noexcept { llamaprompt_value_pool::deallocate(p, n * sizeof(T)); }
+};
+template <class T, class U>
+bool operator==(const allocator<T> &, const allocator<U> &) noexcept { return true; }
+template <class T, class U>
+bool operator!=(const allocator<T> &, const allocator<U> &) noexcept { return false; }
+}  // namespace llamaprompt_value_pool
+"""
+
+
 # Engine rewrites in headers (common/jinja/*.h, vendor/nlohmann/json.hpp): compiled by every _core
 # file through the mirror of the tree's common/ and nlohmann headers (mirror_headers; llama-common
-# and mtmd include nlohmann's from there too). Function bodies (and a function they call) only,
-# never a class layout: the llama-common objects compiled with the tree's headers stay compatible.
+# and mtmd include nlohmann's from there too). Function bodies (and functions and types of their
+# own that they use) only, never a class layout: the llama-common objects compiled with the tree's
+# headers stay compatible (an inline function both define, e.g. mk_val, may come from either: each
+# value's control block frees it with the allocator that made it).
 HEADER_REWRITES = [
     Rewrite("common/jinja/value.h", "", [
+        Edit(MK_VAL_DECL, VALUE_POOL_BLOCK + MK_VAL_DECL, speed=VALUE_POOL, group="value_pool"),
+        Edit("    return std::make_shared<PointeeType>(std::forward<Args>(args)...);\n",
+             "    return std::allocate_shared<PointeeType>(llamaprompt_value_pool::allocator<PointeeType>(),\n"
+             "                                             std::forward<Args>(args)...);\n",
+             speed=VALUE_POOL, group="value_pool"),
         # an insert hashed the key twice (has_key, then operator[]); one try_emplace for a plain
         # object (no subclass that could override has_key), the same checks and order of entries
         Edit("""        bool replaced = false;
@@ -482,12 +596,19 @@ HEADER_REWRITES = [
         return env->at(name, default_val);
     }
 """, """    value get_val(const std::string & name) {
-        // the variable, or `undefined` (built only for a missing name): env is a plain object
-        value key = mk_val<value_string>(name);
+        // the variable, or `undefined` (built only for a missing name): env is a plain object.
+        // The key is the one-part string value that mk_val<value_string>(name) builds, kept per
+        // thread and given the name's text (the lookup only hashes and compares it)
+        static thread_local const value key = mk_val<value_string>(std::string());
+        auto & parts = static_cast<value_string_t &>(*key).val_str.parts;
+        parts.resize(1);
+        parts[0].is_input = false;
+        parts[0].val.assign(name);
         auto it = env->unordered.find(key);
         return it != env->unordered.end() ? it->second : mk_val<value_undefined>(name);
     }
-""", speed="variable lookup: no `undefined` value built for a found name, one hash lookup instead of two"),
+""", speed="variable lookup: no `undefined` value built for a found name, one hash lookup instead of two, "
+           "no key value built"),
     ]),
     Rewrite("vendor/nlohmann/json.hpp", "", [
         Edit(ORDERED_MAP_DECL, GROW_BY_MOVING + ORDERED_MAP_DECL, speed=ORDERED_MAP, group="ordered_map"),
@@ -561,15 +682,7 @@ def leaf_value_types(tree: Tree) -> tuple[list[str], dict[str, str]]:
     """The value types of common/jinja/value.h that nothing derives from, and for each other one
     the file whose text could derive from it."""
     types = VALUE_TYPE_DEF.findall(code_only(tree.read("common/jinja/value.h")))
-    texts: list[tuple[str, str]] = []
-    for top in ("common", "tools/server"):
-        for path in sorted((tree.root / top).rglob("*")):
-            if path.is_file() and path.suffix in (".h", ".hpp", ".cpp", ".c", ".inc"):
-                rel = path.relative_to(tree.root).as_posix()
-                texts.append((rel, code_only(tree.read(rel))))
-    for path in sorted(SRC_CPP.glob("*")):
-        if path.is_file():
-            texts.append((f"llamaprompt src/cpp/{path.name}", code_only(path.read_text(encoding="utf-8"))))
+    texts = _program_texts(tree)
     derived: dict[str, str] = {}
     # a class template deriving from its own parameter could derive from any of them
     mixin = next((rel for rel, text in texts if _derives_from_parameter(text)), None)
@@ -618,6 +731,138 @@ def leaf_type_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
     edits = [Edit(IS_VAL, "\n".join(block) + "\n" + IS_VAL, speed=LEAF_TYPE_TEST, group="leaf_type_test")]
     edits += [Edit(old, new, *count, speed=LEAF_TYPE_TEST, group="leaf_type_test") for old, new, *count in TYPE_TESTS]
     return edits
+
+
+# A Boolean value (value_bool_t) builds an integer value of its own (its member `val`), which only
+# its hash reads -- two allocations per comparison result. Where the tree's code shows that nothing
+# else can reach that member (bool_int_problems), the integer is one of two immutable values per
+# thread (0 and 1: the same content, so the same hash), not a new value per Boolean.
+BOOL_INT = "Boolean values: their integer (read only by their hash) one of two per thread, not built per Boolean"
+BOOL_DECL = "struct value_bool_t : public value_t {\n"
+BOOL_CTOR = """    value_bool_t(bool v) {
+        val_int = static_cast<int64_t>(v);
+        val_flt = static_cast<double>(v);
+        val = mk_val<value_int>(val_int);
+    }
+"""
+BOOL_INT_HELPER = """// llamaprompt (an engine rewrite, see its adapt_tree.py): a Boolean's integer value, read only by
+// the Boolean's hash: one of two immutable values per thread
+inline value llamaprompt_bool_int(bool v) {
+    static thread_local const value ints[2] = {mk_val<value_int>(int64_t(0)), mk_val<value_int>(int64_t(1))};
+    return ints[v ? 1 : 0];
+}
+
+"""
+# how the program may name the Boolean type without reaching its `val`: building one (the result
+# not dereferenced), testing for one, its built-ins, its declaration
+BOOL_NAMED = re.compile(r"\bvalue_bool(?:_t)?\b")
+BOOL_ALLOWED = re.compile(
+    r"(?:\bmk_val<\s*value_bool\s*>\s*\(|\bis_val<\s*value_bool\s*>\s*\(|\bensure_vals<\s*value_bool\s*>\s*\("
+    r"|\btest_type_fn<\s*value_bool\s*>|\bis_same_v<\s*T\s*,\s*value_bool\s*>|\bvalue_bool_t::get_builtins\b"
+    r"|\bstruct\s+value_bool_t\s*:\s*public\s+value_t\b|\busing\s+value_bool\s*=\s*std::shared_ptr<\s*value_bool_t\s*>"
+    r"|\bvalue_bool_t\s*\(\s*bool\s+v\s*\)\s*\{"
+    r"|\bllamaprompt_leaf_value<\s*value_bool_t\s*>|\bstruct\s+value_bool_t\s*;)")
+BOOL_BODY_USES = ("value val;", "val = mk_val<value_int>(val_int);", "return val->unique_hash();")
+
+
+def _paren_end(code: str, open_at: int) -> int:
+    """The index of the parenthesis closing the one at ``open_at`` (-1: none)."""
+    depth = 0
+    for i in range(open_at, len(code)):
+        depth += (code[i] == "(") - (code[i] == ")")
+        if depth == 0:
+            return i
+    return -1
+
+
+def _program_texts(tree: Tree) -> list[tuple[str, str]]:
+    """(name, code_only text) of the tree's common/ and tools/server/ sources and llamaprompt's
+    src/cpp: the program that includes common/jinja/value.h."""
+    if tree.program_texts is not None:
+        return tree.program_texts
+    texts: list[tuple[str, str]] = []
+    for top in ("common", "tools/server"):
+        for path in sorted((tree.root / top).rglob("*")):
+            if path.is_file() and path.suffix in (".h", ".hpp", ".cpp", ".c", ".inc"):
+                rel = path.relative_to(tree.root).as_posix()
+                texts.append((rel, code_only(tree.read(rel))))
+    for path in sorted(SRC_CPP.glob("*")):
+        if path.is_file():
+            texts.append((f"llamaprompt src/cpp/{path.name}", code_only(path.read_text(encoding="utf-8"))))
+    tree.program_texts = texts
+    return texts
+
+
+def bool_int_problems(tree: Tree) -> list[str]:
+    """Why a Boolean's integer value cannot be shared ([]: it can): value_bool_t reads its `val`
+    other than in its hash, or some code names the type in a way that could reach the member."""
+    code = code_only(tree.read("common/jinja/value.h"))
+    at = code.find(BOOL_DECL)
+    if at < 0 or tree.read("common/jinja/value.h").count(BOOL_CTOR) != 1:
+        return ["value_bool_t or its constructor is not as expected"]
+    body = code[at:_block_end(code, code.find("{", at)) + 1]
+    problems = []
+    uses = len(re.findall(r"\bval\b", body))
+    if uses != len(BOOL_BODY_USES) or not all(norm(u) in norm(body) for u in BOOL_BODY_USES):
+        problems.append("value_bool_t uses its member `val` other than in its hash")
+    for rel, text in _program_texts(tree):
+        for m in BOOL_NAMED.finditer(text):
+            start = max(text.rfind("\n", 0, m.start()), m.start() - 80)
+            allowed = next((a for a in BOOL_ALLOWED.finditer(text, start, m.end() + 40)
+                            if a.start() <= m.start() < a.end()), None)
+            if allowed is None:
+                problems.append(f"{rel} names {m.group(0)}: {text[m.start():m.start() + 60].strip()!r}")
+            elif allowed.group(0).startswith("mk_val"):
+                close = _paren_end(text, allowed.end() - 1)
+                if close < 0 or re.match(r"\s*(?:->|\.)", text[close + 1:]):
+                    problems.append(f"{rel} dereferences a new Boolean: {text[m.start():m.start() + 60].strip()!r}")
+    return problems
+
+
+def bool_int_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """value.h edits (a group): the Boolean's integer is llamaprompt_bool_int's, where provable."""
+    problems = bool_int_problems(tree)
+    if problems:
+        notes.append("common/jinja/value.h: each Boolean keeps an integer value of its own ("
+                     + "; ".join(problems[:3]) + ")")
+        return []
+    return [Edit(BOOL_DECL, BOOL_INT_HELPER + BOOL_DECL, speed=BOOL_INT, group="bool_int"),
+            Edit(BOOL_CTOR, BOOL_CTOR.replace("mk_val<value_int>(val_int)", "llamaprompt_bool_int(v)"),
+                 speed=BOOL_INT, group="bool_int")]
+
+
+# member_expression (`obj.name`, `obj[key]`) took its property's text as property->as_string().str():
+# a copy of the string value's parts, then of their text. For a string value whose as_string()
+# returns its val_str (probed), val_str.str() is the same text without the first copy.
+MEMBER_TEXT = "member access: the property's text without copying the string value first"
+MEMBER_IMPL = "value member_expression::execute_impl(context & ctx)"  # (older trees: not const)
+STRING_AS_STRING = "virtual string as_string() const override { return val_str; }"
+MEMBER_TEXT_HELPER = """// llamaprompt (an engine rewrite, see its adapt_tree.py): v->as_string().str(), without
+// copying the parts of a string value first (value_string_t::as_string() returns its val_str)
+static std::string llamaprompt_value_text(const value & v) {
+    if (typeid(*v) == typeid(value_string_t)) {
+        return v->val_str.str();
+    }
+    return v->as_string().str();
+}
+
+"""
+
+
+def member_text_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """runtime.cpp edits (a group): member_expression's property text via llamaprompt_value_text,
+    where value_string_t::as_string() returns its val_str."""
+    code = code_only(tree.read("common/jinja/value.h"))
+    at = code.find("struct value_string_t : public value_t {")
+    body = code[at:_block_end(code, code.find("{", at)) + 1] if at >= 0 else ""
+    if norm(STRING_AS_STRING) not in norm(body):
+        notes.append("common/jinja/runtime.cpp: member access copies its property's string value "
+                     "(value_string_t::as_string() is not `return val_str;`)")
+        return []
+    count = tree.read("common/jinja/runtime.cpp").count("property->as_string().str()")
+    return [Edit(MEMBER_IMPL, MEMBER_TEXT_HELPER + MEMBER_IMPL, speed=MEMBER_TEXT, group="member_text"),
+            Edit("property->as_string().str()", "llamaprompt_value_text(property)", max(count, 1),
+                 speed=MEMBER_TEXT, group="member_text")]
 
 
 def mirror_headers(tree: Tree, out_dir: Path, rewritten: dict[str, str]) -> None:
@@ -1032,14 +1277,14 @@ def handler_choice_problems(tree: Tree) -> list[str]:
 
 def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites: bool = True,
                    handlers: list[Rewrite] | None = None,
-                   header_edits: dict[str, list[Edit]] | None = None) -> list[dict]:
-    """Apply REWRITES, HEADER_REWRITES (with ``header_edits``' probed edits added to their files'
+                   probed_edits: dict[str, list[Edit]] | None = None) -> list[dict]:
+    """Apply REWRITES and HEADER_REWRITES (with ``probed_edits``' edits added to their files'
     lists) and ``handlers``; write the copies and the header mirror; one record per edit."""
     applied = []
     headers: dict[str, str] = {}
-    extra = header_edits or {}
-    header_rewrites = [Rewrite(rw.rel, rw.out, rw.edits + extra.get(rw.rel, [])) for rw in HEADER_REWRITES]
-    for rw in REWRITES + header_rewrites + (handlers or []):
+    extra = probed_edits or {}
+    fixed = [Rewrite(rw.rel, rw.out, rw.edits + extra.get(rw.rel, [])) for rw in REWRITES + HEADER_REWRITES]
+    for rw in fixed + (handlers or []):
         if all(e.speed for e in rw.edits) and not tree.has(rw.rel):  # engine rewrites of a file it lacks
             notes.append(f"{rw.rel}: not in this tree; its rewrites are not applied")
             applied += [{"file": rw.rel, "pattern": e.old, "applied": False, "engine": e.speed,
@@ -1311,10 +1556,12 @@ def main(argv: list[str]) -> int:
             notes.append("common/chat.cpp: the specialized-handler choice may depend on more than the template "
                          f"source ({'; '.join(choice_problems)}): it runs for every request")
         handlers += generator
-        header_edits = {}
+        probed: dict[str, list[Edit]] = {}
         if tree.has("common/jinja/value.h"):
-            header_edits["common/jinja/value.h"] = leaf_type_test_edits(tree, notes)
-        rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, header_edits)
+            probed["common/jinja/value.h"] = leaf_type_test_edits(tree, notes) + bool_int_edits(tree, notes)
+            if tree.has("common/jinja/runtime.cpp"):
+                probed["common/jinja/runtime.cpp"] = member_text_edits(tree, notes)
+        rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, probed)
         server_chat_params_check(tree)
         server_main_check(tree)
         exiting_flags_check(tree)
