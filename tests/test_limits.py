@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -70,6 +72,32 @@ def test_a_value_nested_in_itself_raises_instead_of_crashing(body):
     with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
         t.apply_template(_on("trap"))
     assert t.apply_template(HI) == "hi"
+
+
+DEEP_LIST = (
+    "import threading, llamaprompt\n"
+    "src = ('{% set ns = namespace(l=[]) %}{% for i in range(8000) %}{% set ns.l = [ns.l] %}{% endfor %}'\n"
+    "       '{{ messages[0].content }}')\n"
+    "out = []\n"
+    "def run():\n"
+    "    t = llamaprompt.ChatTemplate(src, timeout=None)\n"
+    "    out.append(t.apply_template({'messages': [{'role': 'user', 'content': 'hi'}]}))\n"
+    "threading.stack_size(128 * 1024)\n"
+    "th = threading.Thread(target=run)\n"
+    "th.start()\n"
+    "th.join()\n"
+    "print(out)\n"
+)
+
+
+def test_a_list_nested_deep_is_destroyed_without_crashing():
+    # a list nested 8000 deep, never printed, built on a thread with a 128 KiB stack: destroying
+    # the render's values released it level by level, a C++ recursion (~value_t) that killed the
+    # process (SIGSEGV, also on the main thread's 8 MiB stack at ~3*10^5 levels); value.h's
+    # destructor now hands the elements to a worklist. In a child process: a crash must not kill pytest
+    proc = subprocess.run([sys.executable, "-c", DEEP_LIST], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "['hi']"
 
 
 def test_bounded_recursion_is_untouched():

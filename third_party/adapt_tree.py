@@ -218,6 +218,74 @@ JSON_OF_VALUE = ("static void value_to_json_internal(std::ostringstream & oss, c
 REPR_OF_VALUE = "std::string value_to_string_repr(const value & val) {\n"
 MARK_USED = "void value_t::stats_t::mark_used(value & val, bool deep) {\n"  # the capability probes' usage marks
 OUTPUT_OF_VALUE = "static void gather_string_parts_recursive(const value & val, value_string & parts) {\n"
+# destroying a value released its elements recursively (each shared_ptr's last release runs the
+# element's destructor, which releases its own): a list nested ~10^5 deep -- a loop of
+# `{% set ns.l = [ns.l] %}` -- overflowed the stack when the render's values were destroyed, where
+# no guard can throw. ~value_t now hands its elements to one worklist per thread, drained by the
+# outermost destruction: the same values released, iteratively.
+VALUE_DTOR = "    virtual ~value_t() = default;\n"
+VALUE_DECL = "struct value_t {\n"
+VALUE_DTOR_BODY = ("    virtual ~value_t() { if (!val_arr.empty() || !val_obj.empty()) "
+                   "llamaprompt_release_children(val_arr, val_obj); }\n")
+RELEASE_CHILDREN_DECL = """// llamaprompt (a robustness rewrite, see its adapt_tree.py): value_t's destructor hands the
+// elements of a value to llamaprompt_release_children (defined after value_t)
+inline void llamaprompt_release_children(std::vector<value> & arr,
+                                         std::vector<std::pair<value, value>> & obj) noexcept;
+
+"""
+AFTER_VALUE_T = "const func_builtins & global_builtins();\n"  # the first declaration after struct value_t
+RELEASE_CHILDREN = """// llamaprompt (a robustness rewrite, see its adapt_tree.py): the elements of a value that would
+// release elements of their own when released here (the last owner of a non-empty list or object)
+// go through one worklist per thread, drained by the outermost destruction, not recursively
+inline bool llamaprompt_releases_more(const value & v) noexcept {
+    return v && v.use_count() == 1 && (!v->val_arr.empty() || !v->val_obj.empty());
+}
+inline void llamaprompt_release_children(std::vector<value> & arr,
+                                         std::vector<std::pair<value, value>> & obj) noexcept {
+    std::size_t nested = 0;
+    for (const auto & v : arr) {
+        nested += llamaprompt_releases_more(v);
+    }
+    for (const auto & kv : obj) {
+        nested += llamaprompt_releases_more(kv.first) + llamaprompt_releases_more(kv.second);
+    }
+    if (nested == 0) {
+        return;  // the members release their elements as before: none of them goes deeper
+    }
+    static thread_local std::vector<value> * draining = nullptr;
+    std::vector<value> own;
+    std::vector<value> & work = draining ? *draining : own;
+    try {
+        work.reserve(work.size() + nested);
+    } catch (...) {
+        return;  // no memory for the worklist: the members release their elements as before
+    }
+    for (auto & v : arr) {
+        if (llamaprompt_releases_more(v)) {
+            work.push_back(std::move(v));
+        }
+    }
+    for (auto & kv : obj) {
+        if (llamaprompt_releases_more(kv.first)) {
+            work.push_back(std::move(kv.first));
+        }
+        if (llamaprompt_releases_more(kv.second)) {
+            work.push_back(std::move(kv.second));
+        }
+    }
+    if (draining) {
+        return;  // the outermost destruction releases them
+    }
+    draining = &own;
+    while (!own.empty()) {
+        value v = std::move(own.back());
+        own.pop_back();
+        v.reset();  // may hand its own elements to `own`
+    }
+    draining = nullptr;
+}
+
+"""
 
 REWRITES = [
     # get_media_marker() is per template (src/cpp/shim_server.cpp), not once per process
@@ -504,6 +572,13 @@ bool operator!=(const allocator<T> &, const allocator<U> &) noexcept { return fa
 # value's control block frees it with the allocator that made it).
 HEADER_REWRITES = [
     Rewrite("common/jinja/value.h", "", [
+        Edit(VALUE_DECL, RELEASE_CHILDREN_DECL + VALUE_DECL, requires=("common/jinja/value.h", "virtual ~value_t()"),
+             lost="a list nested ~10^5 deep overflows the stack when its values are destroyed (the process dies)"),
+        Edit(AFTER_VALUE_T, RELEASE_CHILDREN + AFTER_VALUE_T, requires=("common/jinja/value.h", "virtual ~value_t()"),
+             lost="a list nested ~10^5 deep overflows the stack when its values are destroyed (the process dies)"),
+        Edit(VALUE_DTOR, VALUE_DTOR_BODY,
+             requires=("common/jinja/value.h", "virtual ~value_t()"),
+             lost="a list nested ~10^5 deep overflows the stack when its values are destroyed (the process dies)"),
         Edit(MK_VAL_DECL, VALUE_POOL_BLOCK + MK_VAL_DECL, speed=VALUE_POOL, group="value_pool"),
         Edit("    return std::make_shared<PointeeType>(std::forward<Args>(args)...);\n",
              "    return std::allocate_shared<PointeeType>(llamaprompt_value_pool::allocator<PointeeType>(),\n"
