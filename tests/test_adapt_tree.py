@@ -269,7 +269,8 @@ def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
     original = (tree / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()
     stop = [i for i, x in enumerate(copy.splitlines()[2:]) if "llamaprompt_prompt_ready(data.prompt, __func__);" in x]
     assert len(stop) == 1 and "data.generation_prompt" in original[stop[0]]
-    assert not (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "gemma4.cpp").exists()
+    gemma4 = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "gemma4.cpp").read_text()
+    assert "llamaprompt_prompt_ready(" not in gemma4  # its copy has the render reuse only
 
 
 # edits of a handler (Qwen3-Coder's) as upstream might write it: before its prompt, after its
@@ -357,8 +358,8 @@ def test_handler_probe_on_edited_handlers(handler_tree, tmp_path, kept, file_sco
     assert _run(tree, tmp_path).returncode == 0
     verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_qwen3_coder"]
     assert (verdict == "prompt-only") == kept, verdict
-    copied = (tmp_path / "out" / "generated" / "mirror" / QWEN3_CODER).exists()
-    assert copied == kept
+    copy = tmp_path / "out" / "generated" / "mirror" / QWEN3_CODER
+    assert (copy.exists() and "llamaprompt_prompt_ready(" in copy.read_text()) == kept
 
 
 def test_handler_that_returns_a_changed_copy_runs_in_full(handler_tree, tmp_path):
@@ -383,8 +384,8 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
-    engine = [r for r in info["rewrites"] if r.get("engine")]
-    assert len(engine) == 26
+    engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
+    assert len(engine) == 33
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])
@@ -474,9 +475,14 @@ def test_json_object_growth_rewrite_is_all_or_nothing(tree, tmp_path):
 VALUE_H = ("common", "jinja", "value.h")
 
 
+def _specialized(tmp_path: Path, header: tuple[str, ...], trait: str) -> set[str]:
+    """The types a mirrored header specializes ``trait`` for (the probed leaf types)."""
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*header)).read_text()
+    return set(re.findall(rf"template <> struct {trait}<(\w+)>", text))
+
+
 def _leaves(tmp_path: Path) -> set[str]:
-    text = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
-    return set(re.findall(r"template <> struct llamaprompt_leaf_value<(\w+)>", text))
+    return _specialized(tmp_path, VALUE_H, "llamaprompt_leaf_value")
 
 
 def test_type_tests_of_leaf_value_types(tree, tmp_path):
@@ -488,6 +494,37 @@ def test_type_tests_of_leaf_value_types(tree, tmp_path):
     assert "value_array_t" not in leaves
     text = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
     assert "dynamic_cast<const PointeeType*>" not in text and text.count("llamaprompt_cast_val<PointeeType>") == 4
+    # value_array_t's family is closed: itself and value_tuple_t, a leaf defined next to it
+    assert _families(tmp_path) == {"value_array_t": "value_tuple_t"}
+    assert "dynamic_cast kept" not in " ".join(_info(tmp_path)["notes"])
+
+
+def _families(tmp_path: Path) -> dict[str, str]:
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
+    family = r"struct llamaprompt_value_family<(\w+)> \{ using derived = llamaprompt_value_types<([^>]*)>"
+    found = re.findall(family, text)
+    return dict(found)
+
+
+def test_a_value_type_derived_from_outside_value_h_keeps_dynamic_cast(tree, tmp_path):
+    # a server file deriving from value_array_t: its family is no longer known
+    derived = "struct lp_list : jinja::value_array_t {};\n#include"
+    _edit(tree / "tools" / "server" / "server-common.cpp", "#include", derived)
+    assert _run(tree, tmp_path).returncode == 0
+    assert _families(tmp_path) == {} and "value_tuple_t" in _leaves(tmp_path)
+    assert "value_array_t (a base in common/jinja/value.h)" in " ".join(_info(tmp_path)["notes"])
+
+
+def test_a_family_with_a_derived_non_leaf_is_not_closed(tree, tmp_path):
+    # a type deriving from value_tuple_t (in value.h): value_array_t's family is no longer closed
+    _edit(tree.joinpath(*VALUE_H), "struct value_tuple_t : public value_array_t {",
+          "struct value_pair_t;\nstruct value_tuple_t : public value_array_t {")
+    _edit(tree.joinpath(*VALUE_H), "\n} // namespace jinja",
+          "\nstruct value_pair_t : public value_tuple_t {};\n} // namespace jinja")
+    assert "struct value_pair_t : public value_tuple_t" in tree.joinpath(*VALUE_H).read_text()
+    assert _run(tree, tmp_path).returncode == 0
+    # value_tuple_t's family (itself and the new leaf) is closed, value_array_t's is not
+    assert _families(tmp_path) == {"value_tuple_t": "value_pair_t"} and "value_tuple_t" not in _leaves(tmp_path)
     assert "value_array_t (a base in common/jinja/value.h)" in " ".join(_info(tmp_path)["notes"])
 
 
@@ -662,7 +699,8 @@ def test_generator_probe_on_edited_generators(tree, tmp_path, kept, before, afte
     verdict = _info(tmp_path)["prompt_only_generator"]
     assert (verdict == "prompt-only") == kept, verdict
     assert reason in verdict
-    assert (tmp_path / "out" / "generated" / "mirror" / GENERATOR).exists() == kept
+    copy = tmp_path / "out" / "generated" / "mirror" / GENERATOR
+    assert (copy.exists() and "llamaprompt_prompt_ready(" in copy.read_text()) == kept
     if not kept:
         assert "generate_parser has no prompt-only stop point" in (tmp_path / "out" / "lp_tree.cmake").read_text()
 
@@ -724,3 +762,146 @@ def test_handler_choice_on_edited_trees(tree, tmp_path, inserted, reason):
         "specialized-handler choice may depend on more than the template"
         in (tmp_path / "out" / "lp_tree.cmake").read_text()
     )
+
+
+# the render without add_generation_prompt taken from the prompt's identical render (no_gen_reuse_*)
+CHAT_COPY = ("generated", "chat.cpp")
+NO_GEN_CALL = "llamaprompt_no_gen_render(&inputs, !inputs.add_generation_prompt, [&] { return "
+GUARD = "llamaprompt_rendered_prompt llamaprompt_rendered_prompt_guard(data.prompt, &inputs);"
+# facts from reading common/parsers/*.cpp: the handlers whose prompt statement is directly
+# followed by their generation-prompt statement with the same arguments (gpt-oss renders its
+# prompt into a local and changes it first; muse-glimmer renders no generation prompt)
+ADJACENT_HANDLERS = {"cohere2moe", "deepseek", "functionary-v3-2", "gemma4", "gigachat-v3", "kimi-k2", "kimi-k3",
+                     "lfm2", "ling3", "minicpm5", "minimax-m3", "ministral3", "qwen3-coder"}
+
+
+def _guarded_files(tmp_path: Path) -> set[str]:
+    mirror = tmp_path / "out" / "generated" / "mirror" / "common"
+    return {p.stem for p in mirror.rglob("*.cpp") if GUARD in p.read_text()}
+
+
+def test_no_generation_prompt_render_reuse_on_the_tree(handler_tree, tmp_path):
+    tree = handler_tree
+    assert _run(tree, tmp_path).returncode == 0
+    chat = (tmp_path / "out").joinpath(*CHAT_COPY).read_text()
+    assert chat.count(NO_GEN_CALL) == 1
+    # inside generation_prompt_impl, in place of its first render
+    impl = chat.index("std::string common_chat_template_generation_prompt_impl(")
+    assert impl < chat.index(NO_GEN_CALL) < chat.index("params.add_generation_prompt = true;", impl)
+    assert _guarded_files(tmp_path) == ADJACENT_HANDLERS | {"chat-auto-parser-generator"}
+    # the guard on the prompt statement's last line, the stop point still on the next line
+    copy = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()
+    at = next(i for i, x in enumerate(copy) if GUARD in x)
+    assert copy[at].startswith("    data.prompt            = common_chat_template_direct_apply_impl(tmpl, inputs);")
+    assert copy[at + 1].startswith("    llamaprompt_prompt_ready(data.prompt, __func__); data.generation_prompt")
+    assert len(copy) == len((tree / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()) + 2
+
+
+@pytest.mark.parametrize(
+    ("rel", "old", "new", "note"),
+    [
+        # the render reads the field the copy turns off: the two renders may differ
+        ("common/chat.cpp", "    if (inputs.add_generation_prompt) {\n",
+         "    if (inputs.continue_final_message != COMMON_CHAT_CONTINUATION_NONE) { inp[\"c\"] = true; }\n"
+         "    if (inputs.add_generation_prompt) {\n", "reads inputs.continue_final_message"),
+        # the copy changes one more field than the expected two
+        ("common/chat.cpp", "    params.continue_final_message = COMMON_CHAT_CONTINUATION_NONE;\n",
+         "    params.continue_final_message = COMMON_CHAT_CONTINUATION_NONE;\n    params.enable_thinking = false;\n",
+         "does not begin with the expected copy and render"),
+        # the render hands the whole inputs to another function
+        ("common/chat.cpp", "    jinja::global_from_json(ctx, inp, inputs.mark_input);",
+         "    jinja::global_from_json(ctx, inp, inputs.mark_input); (void) std::addressof(inputs);",
+         "passes `inputs` on whole"),
+    ],
+)
+def test_no_generation_prompt_render_reuse_needs_the_same_render(handler_tree, tmp_path, rel, old, new, note):
+    _edit(handler_tree / rel, old, new)
+    assert _run(handler_tree, tmp_path).returncode == 0
+    assert NO_GEN_CALL not in (tmp_path / "out").joinpath(*CHAT_COPY).read_text()
+    assert not _guarded_files(tmp_path)
+    assert note in " ".join(_info(tmp_path)["notes"])
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # other arguments for the generation prompt
+        ("    data.generation_prompt = common_chat_template_generation_prompt_impl(tmpl, inputs);\n",
+         "    data.generation_prompt = common_chat_template_generation_prompt_impl(tmpl, inputs, json::array());\n"),
+        # a statement between the two (it could change the prompt or its arguments)
+        ("    data.prompt            = common_chat_template_direct_apply_impl(tmpl, inputs);\n",
+         "    data.prompt            = common_chat_template_direct_apply_impl(tmpl, inputs);\n"
+         "    data.prompt += \"\\n\";\n"),
+        # the prompt statement as the body of an `if` without braces
+        ("    data.prompt            = common_chat_template_direct_apply_impl(tmpl, inputs);\n",
+         "    if (inputs.messages.empty()) data.prompt = common_chat_template_direct_apply_impl(tmpl, inputs);\n"),
+    ],
+)
+def test_no_generation_prompt_render_reuse_needs_adjacent_equal_calls(handler_tree, tmp_path, old, new):
+    _edit(handler_tree / QWEN3_CODER, old, new)
+    assert _run(handler_tree, tmp_path).returncode == 0
+    assert _guarded_files(tmp_path) == ADJACENT_HANDLERS - {"qwen3-coder"} | {"chat-auto-parser-generator"}
+
+
+def test_no_generation_prompt_render_reuse_is_an_engine_rewrite(handler_tree, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(handler_tree), str(tmp_path / "out"), "--no-engine-rewrites"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert NO_GEN_CALL not in (tmp_path / "out").joinpath(*CHAT_COPY).read_text()
+    assert not _guarded_files(tmp_path)
+
+
+# syntax-tree node type tests (leaf_stmt_test_edits)
+RUNTIME_H = ("common", "jinja", "runtime.h")
+
+
+def _leaf_nodes(tmp_path: Path) -> set[str]:
+    return _specialized(tmp_path, RUNTIME_H, "llamaprompt_leaf_stmt")
+
+
+def test_type_tests_of_leaf_node_types(tree, tmp_path):
+    # facts from reading runtime.h: every node type derives from statement or expression, and only
+    # the node types derive from expression; the names also occur as tokens (`token::identifier`),
+    # enum values and template arguments (`chk_type<identifier, call_expression>`), never as bases
+    assert _run(tree, tmp_path).returncode == 0
+    leaves = _leaf_nodes(tmp_path)
+    assert {"identifier", "call_expression", "string_literal", "tuple_literal", "program", "for_statement"} <= leaves
+    assert "expression" not in leaves and "statement" not in leaves
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*RUNTIME_H)).read_text()
+    helpers = text[text.index("bool is_stmt("):text.index("// End Helpers")]
+    assert "dynamic_cast" not in helpers and helpers.count("llamaprompt_cast_stmt<") == 3
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "struct lp_id : public jinja::identifier {};\n",  # a class deriving from it
+        "struct lp_id final : jinja::identifier, std::string {};\n",
+        "using lp_id = jinja::identifier;\n",  # an alias another class could derive from
+        "#define LP_NODE identifier\n",
+    ],
+)
+def test_a_node_type_named_as_a_base_keeps_dynamic_cast(tree, tmp_path, code):
+    _edit(tree / "tools" / "server" / "server-common.cpp", "#include", code + "#include")
+    assert _run(tree, tmp_path).returncode == 0
+    leaves = _leaf_nodes(tmp_path)
+    assert "identifier" not in leaves and "call_expression" in leaves
+
+
+
+def test_member_access_builtin_miss_rewrite_is_all_or_nothing(tree, tmp_path):
+    # facts from reading runtime.cpp: `obj.name` calls try_builtin_func(ctx, prop, object, true)
+    # and keeps its result only when it is not undefined
+    assert _run(tree, tmp_path).returncode == 0
+    text = (tmp_path / "out").joinpath(*RUNTIME_COPY).read_text()
+    assert "value val = try_builtin_func(ctx, prop, object, true, true);\n        if (val && " in text
+    assert text.count("llamaprompt_null_on_missing") == 2
+    # the call site written another way: none of the three edits
+    _edit(tree / "common" / "jinja" / "runtime.cpp",
+          "        if (!is_val<value_undefined>(val)) {\n            return val;",
+          "        if (!val->is_undefined()) {\n            return val;")
+    assert _run(tree, tmp_path).returncode == 0
+    assert "llamaprompt_null_on_missing" not in (tmp_path / "out").joinpath(*RUNTIME_COPY).read_text()

@@ -287,6 +287,8 @@ inline void llamaprompt_release_children(std::vector<value> & arr,
 
 """
 
+BUILTIN_MISS = "member access by name: no undefined value built and dropped when the name is no built-in"
+
 REWRITES = [
     # get_media_marker() is per template (src/cpp/shim_server.cpp), not once per process
     Rewrite("tools/server/server-common.cpp", "server-common.cpp", [
@@ -330,6 +332,23 @@ REWRITES = [
         Edit("    auto builtins = input->get_builtins();\n",
              "    const auto & builtins = input->get_builtins();\n",
              speed="filter / method call: a copy of the type's built-ins map per call"),
+        # `obj.name` first looks `name` up among obj's built-ins (a built-in wins over a key of the
+        # same name) and, when there is none, built an undefined value only to test it and drop it;
+        # that call now gets a null value instead (three edits: all or none)
+        Edit("static value try_builtin_func(context & ctx, const std::string & name, value & input, "
+             "bool undef_on_missing = false) {",
+             "static value try_builtin_func(context & ctx, const std::string & name, value & input, "
+             "bool undef_on_missing = false, bool llamaprompt_null_on_missing = false) {",
+             speed=BUILTIN_MISS, group="builtin_miss"),
+        Edit("    if (undef_on_missing) {\n        return mk_val<value_undefined>(name);\n",
+             "    if (llamaprompt_null_on_missing) { return nullptr; } if (undef_on_missing) {\n"
+             "        return mk_val<value_undefined>(name);\n",
+             speed=BUILTIN_MISS, group="builtin_miss"),
+        Edit("        value val = try_builtin_func(ctx, prop, object, true);\n"
+             "        if (!is_val<value_undefined>(val)) {\n",
+             "        value val = try_builtin_func(ctx, prop, object, true, true);\n"
+             "        if (val && !is_val<value_undefined>(val)) {\n",
+             speed=BUILTIN_MISS, group="builtin_miss"),
         # `for`: a scope per item, used only by a loop filter (`for x in xs if cond`); built
         # only where that filter runs (two edits: both or neither, see apply_rewrites)
         Edit("    for (size_t i = 0; i < items.size(); ++i) {\n        context loop_scope(scope);\n",
@@ -771,13 +790,33 @@ def leaf_value_types(tree: Tree) -> tuple[list[str], dict[str, str]]:
     return [t for t in types if t not in derived], derived
 
 
+VALUE_TYPE_BASE = re.compile(r"\bstruct\s+(value_\w+_t)\s*:\s*public\s+(\w+)\s*\{")
+
+
+def closed_value_families(tree: Tree, leaves: list[str], derived: dict[str, str]) -> dict[str, list[str]]:
+    """{value type: the types deriving from it} for each non-leaf value type whose derived types
+    are all defined in value.h, directly from it, and are leaves: nothing else in the program
+    names it as a base. A value is of such a type exactly when its dynamic type is in the family."""
+    texts = _program_texts(tree)
+    defs = VALUE_TYPE_BASE.findall(code_only(tree.read("common/jinja/value.h")))
+    families = {}
+    for name in derived:
+        subs = [d for d, base in defs if base == name]
+        named = sum(len(_names_as_base(name).findall(text)) for _, text in texts)
+        if subs and all(d in leaves for d in subs) and named == len(subs):
+            families[name] = subs
+    return families
+
+
 def leaf_type_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
     """value.h edits: is_val / cast_val test the leaf value types by typeid, a string's hash takes
     its type's hash computed once (a group)."""
     leaves, derived = leaf_value_types(tree)
-    if derived:
+    families = closed_value_families(tree, leaves, derived) if leaves else {}
+    kept = {t: where for t, where in derived.items() if t not in families}
+    if kept:
         notes.append("common/jinja/value.h: type tests by dynamic_cast kept for " +
-                     ", ".join(f"{t} (a base in {where})" for t, where in sorted(derived.items())))
+                     ", ".join(f"{t} (a base in {where})" for t, where in sorted(kept.items())))
     if not leaves:
         return []
     block = ["// llamaprompt (an engine rewrite, see its adapt_tree.py): the value types that no class",
@@ -786,10 +825,26 @@ def leaf_type_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
              "template <typename T> struct llamaprompt_leaf_value : std::false_type {};"]
     for name in leaves:
         block += [f"struct {name};", f"template <> struct llamaprompt_leaf_value<{name}> : std::true_type {{}};"]
-    block += ["template <typename T, typename V>",
+    block += ["// the value types whose derived types are all leaves defined in this header (the same probe):",
+              "// a value is one of them exactly when its dynamic type is the type or one of those",
+              "template <typename... D> struct llamaprompt_value_types {};",
+              "template <typename T> struct llamaprompt_value_family { using derived = void; };"]
+    for name, subs in sorted(families.items()):
+        types = f"llamaprompt_value_types<{', '.join(subs)}>"
+        block += [f"struct {name};",
+                  f"template <> struct llamaprompt_value_family<{name}> {{ using derived = {types}; }};"]
+    block += ["template <typename T, typename... D>",
+              "inline bool llamaprompt_in_family(const std::type_info & t, llamaprompt_value_types<D...> *) {",
+              "    return t == typeid(T) || ((t == typeid(D)) || ...);",
+              "}",
+              "template <typename T, typename V>",
               "inline const T * llamaprompt_cast_val(const V * ptr) {",
               "    if constexpr (llamaprompt_leaf_value<T>::value) {",
               "        return ptr != nullptr && typeid(*ptr) == typeid(T) ? static_cast<const T *>(ptr) : nullptr;",
+              "    } else if constexpr (!std::is_void_v<typename llamaprompt_value_family<T>::derived>) {",
+              "        using family = typename llamaprompt_value_family<T>::derived;",
+              "        return ptr != nullptr && llamaprompt_in_family<T>(typeid(*ptr), static_cast<family *>(nullptr))",
+              "                   ? static_cast<const T *>(ptr) : nullptr;",
               "    } else {",
               "        return dynamic_cast<const T *>(ptr);",
               "    }",
@@ -807,6 +862,84 @@ def leaf_type_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
     edits += [Edit(old, new, *count, speed=LEAF_TYPE_TEST, group="leaf_type_test") for old, new, *count in TYPE_TESTS]
     return edits
 
+
+# The same for the template's syntax tree: is_stmt / cast_stmt (runtime.h) test a node's type with
+# dynamic_cast -- the loop variable, an assignment's target, a filter or test, each time it runs.
+# For a node type that nothing derives from (probed as for the values, over the same program),
+# typeid equality answers the same.
+LEAF_STMT_TEST = ("syntax-tree node type tests: typeid equality, not dynamic_cast, for the node types no class "
+                  "derives from")
+STMT_TYPE_DEF = re.compile(r"\bstruct\s+(\w+)\s*:\s*public\s+(?:statement|expression)\s*\{")
+IS_STMT = "template<typename T>\nbool is_stmt(const statement_ptr & ptr) {\n"
+STMT_TESTS = [  # (upstream's line in is_stmt / cast_stmt, the same through llamaprompt_cast_stmt)
+    ("    return dynamic_cast<const T*>(ptr.get()) != nullptr;\n",
+     "    return llamaprompt_cast_stmt<const T>(ptr.get()) != nullptr;\n"),
+    ("    return dynamic_cast<T*>(ptr.get());\n", "    return llamaprompt_cast_stmt<T>(ptr.get());\n"),
+    ("    return dynamic_cast<const T*>(ptr.get());\n", "    return llamaprompt_cast_stmt<const T>(ptr.get());\n"),
+]
+
+
+CLASS_HEAD = re.compile(r"\b(?:struct|class)\s+[\w:]+\s*(?:final\s*)?:(?!:)([^{;()]*)\{")
+
+
+def _base_names(text: str) -> set[str]:
+    """The last name of each base class in the class heads of ``text`` (``public jinja::a<b>`` -> a)."""
+    names = set()
+    for m in CLASS_HEAD.finditer(text):
+        depth, item, items = 0, "", []
+        for ch in m.group(1) + ",":
+            depth += (ch == "<") - (ch == ">")
+            if ch == "," and depth == 0:
+                items.append(item)
+                item = ""
+            elif depth == 0 and ch != ">":
+                item += ch
+        for base in items:
+            words = re.findall(r"\w+", base)
+            if words:
+                names.add(words[-1])
+    return names
+
+
+def leaf_stmt_types(tree: Tree) -> list[str]:
+    """The syntax-tree node types of common/jinja/runtime.h that nothing derives from: no class head
+    of the program lists one as a base, no typedef, alias or macro names one (node type names are
+    common words -- identifier, program --, so base lists are parsed rather than searched)."""
+    types = STMT_TYPE_DEF.findall(code_only(tree.read("common/jinja/runtime.h")))
+    texts = _program_texts(tree)
+    if any(_derives_from_parameter(text) for _, text in texts):
+        return []
+    bases = set().union(*(_base_names(text) for _, text in texts))
+    leaves = []
+    for t in types:
+        alias = re.compile(rf"\btypedef\b[^;]*\b{t}\b|\busing\s+\w+\s*=[^;]*\b{t}\b|#\s*define\b[^\n]*\b{t}\b")
+        if t not in bases and not any(alias.search(text) for _, text in texts):
+            leaves.append(t)
+    return leaves
+
+
+def leaf_stmt_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """runtime.h edits (a group): is_stmt / cast_stmt test the leaf node types by typeid."""
+    leaves = leaf_stmt_types(tree)
+    if not leaves:
+        notes.append("common/jinja/runtime.h: syntax-tree node type tests by dynamic_cast kept (no leaf node type)")
+        return []
+    block = ["// llamaprompt (an engine rewrite, see its adapt_tree.py): the syntax-tree node types that no",
+             "// class derives from (probed over the tree's common/, tools/server/ and llamaprompt's sources);",
+             "// a node is one of them exactly when its dynamic type is, so their tests compare typeid",
+             "template <typename T> struct llamaprompt_leaf_stmt : std::false_type {};"]
+    for name in leaves:
+        block += [f"struct {name};", f"template <> struct llamaprompt_leaf_stmt<{name}> : std::true_type {{}};"]
+    block += ["template <typename T, typename S>",
+              "inline T * llamaprompt_cast_stmt(S * ptr) {",
+              "    if constexpr (llamaprompt_leaf_stmt<std::remove_const_t<T>>::value) {",
+              "        return ptr != nullptr && typeid(*ptr) == typeid(T) ? static_cast<T *>(ptr) : nullptr;",
+              "    } else {",
+              "        return dynamic_cast<T *>(ptr);",
+              "    }",
+              "}"]
+    edits = [Edit(IS_STMT, "\n".join(block) + "\n" + IS_STMT, speed=LEAF_STMT_TEST, group="leaf_stmt_test")]
+    return edits + [Edit(old, new, speed=LEAF_STMT_TEST, group="leaf_stmt_test") for old, new in STMT_TESTS]
 
 # A Boolean value (value_bool_t) builds an integer value of its own (its member `val`), which only
 # its hash reads -- two allocations per comparison result. Where the tree's code shows that nothing
@@ -938,6 +1071,175 @@ def member_text_edits(tree: Tree, notes: list[str]) -> list[Edit]:
     return [Edit(MEMBER_IMPL, MEMBER_TEXT_HELPER + MEMBER_IMPL, speed=MEMBER_TEXT, group="member_text"),
             Edit("property->as_string().str()", "llamaprompt_value_text(property)", max(count, 1),
                  speed=MEMBER_TEXT, group="member_text")]
+
+
+# generate_parser and the specialized handlers render the prompt, then the generation prompt:
+# common_chat_template_generation_prompt_impl renders the template again with a copy of the
+# inputs that turns add_generation_prompt and the continuation off, then with
+# add_generation_prompt on, and keeps what the second adds. For a request without
+# add_generation_prompt (a continuation, or add_generation_prompt false) the first of those
+# renders is the prompt's render again: the same template, messages, tools and context -- where
+# the text shows that (the probe below), the build-tree copies hand the prompt just rendered to
+# generation_prompt_impl (a guard declared after the prompt's statement, consumed by the next
+# generation-prompt render on this thread for the same inputs object), which uses it instead of
+# rendering it again (src/cpp/shim_chat.cpp llamaprompt_no_gen_render). The two renders of
+# upstream differ only if the template reads the clock (strftime_now) across a second boundary.
+NO_GEN_REUSE = "generation prompt: the render without add_generation_prompt taken from the prompt's identical render"
+NO_GEN_HEAD = ("    autoparser::generation_params params = inputs;\n"
+               "    params.add_generation_prompt = false;\n"
+               "    params.continue_final_message = COMMON_CHAT_CONTINUATION_NONE;\n"
+               "    std::string no_gen_prompt    = ")
+NO_GEN_RENDER = ("common_chat_template_direct_apply_impl(tmpl, params, messages_override, tools_override, "
+                 "additional_context)")
+# the fields the copy changes: the render must read neither (add_generation_prompt: the request's is off)
+NO_GEN_CHANGED = ("continue_final_message", "has_continuation")
+RENDER_FUNCS = ("common_chat_template_direct_apply_impl", "common_chat_template_generation_prompt_impl")
+WRAPPER_BODY = (r"\{\s*return\s+{impl}\s*\(\s*tmpl\s*,\s*inputs\s*,\s*std\s*::\s*nullopt\s*,\s*std\s*::\s*nullopt\s*,"
+                r"\s*std\s*::\s*nullopt\s*\)\s*;\s*\}")
+PROMPT_RENDER = re.compile(r"\bdata\s*\.\s*prompt\s*=\s*(common_chat_template_direct_apply(?:_impl)?)\s*\(")
+GEN_RENDER = re.compile(r"\s*data\s*\.\s*generation_prompt\s*=\s*(common_chat_template_generation_prompt(?:_impl)?)"
+                        r"\s*\(")
+RENDERED_GUARD = " llamaprompt_rendered_prompt llamaprompt_rendered_prompt_guard(data.prompt, &{inputs});"
+
+
+def _parameter_lists(code: str, name: str) -> list[str]:
+    """The parameter lists (whitespace removed) of the declarations and definitions of ``name``."""
+    lists = []
+    for m in re.finditer(r"\b" + name + r"\s*\(", code):
+        close = _paren_end(code, m.end() - 1)
+        params = re.sub(r"\s+", "", code[m.end():close])
+        if params.startswith("constcommon_chat_template"):
+            lists.append(params)
+    return lists
+
+
+def no_gen_reuse_problems(tree: Tree) -> list[str]:
+    """Why the prompt's render may not stand for generation_prompt_impl's render without
+    add_generation_prompt (empty: it may)."""
+    text = tree.read("common/chat.cpp")
+    if text.count(NO_GEN_HEAD + NO_GEN_RENDER + ";\n") != 1:
+        return ["common_chat_template_generation_prompt_impl does not begin with the expected copy and render"]
+    code = code_only(text)
+    problems = []
+    m = re.search(r"\bstd\s*::\s*string\s+common_chat_template_direct_apply_impl\s*\([^;{]*\)\s*\{", code)
+    if m is None:
+        return ["common_chat_template_direct_apply_impl's definition is not in common/chat.cpp"]
+    body = code[m.end():_block_end(code, m.end() - 1)]
+    uses = re.findall(r"(?<![\w.>])inputs\b(\s*\.\s*\w+)?", body)
+    if any(not u for u in uses):
+        problems.append("common_chat_template_direct_apply_impl passes `inputs` on whole")
+    read = {u.strip(" .") for u in uses if u}
+    for name in NO_GEN_CHANGED:
+        if re.sub(r"\s", "", name) in read:
+            problems.append(f"common_chat_template_direct_apply_impl reads inputs.{name}")
+    # both functions take the same parameters (and defaults), wherever they are declared
+    for rel in ("common/chat.cpp", "common/chat.h", f"{HANDLER_DIR}/parsers.h"):
+        if tree.has(rel):
+            c = code_only(tree.read(rel))
+            a, b = (_parameter_lists(c, f) for f in RENDER_FUNCS)
+            if a and b and set(a) != set(b):
+                problems.append(f"{rel}: {RENDER_FUNCS[0]} and {RENDER_FUNCS[1]} take different parameters")
+    return problems
+
+
+def _wrappers_forward(code: str) -> bool:
+    """common_chat_template_direct_apply / _generation_prompt (tmpl, inputs) are exactly their
+    _impl with three std::nullopt."""
+    for name, impl in (("common_chat_template_direct_apply", RENDER_FUNCS[0]),
+                       ("common_chat_template_generation_prompt", RENDER_FUNCS[1])):
+        pattern = (r"\bstd\s*::\s*string\s+" + name + r"\s*\([^;{)]*\)\s*" + WRAPPER_BODY.replace("{impl}", impl))
+        if len(re.findall(pattern, code)) != 1:
+            return False
+    return True
+
+
+def _innermost_block(code: str, at: int) -> int:
+    depth = 0
+    for i in range(at - 1, -1, -1):
+        if code[i] == "}":
+            depth += 1
+        elif code[i] == "{":
+            if depth == 0:
+                return i
+            depth -= 1
+    return -1
+
+
+def no_gen_reuse_edits(tree: Tree, rel: str, wrappers_forward: bool) -> list[Edit]:
+    """Edits of ``rel``: after each `data.prompt = <render>(ARGS);` that is directly followed by
+    `data.generation_prompt = <generation prompt>(ARGS);` (same ARGS, the same family: both
+    _impl, or both the forwarding wrappers), a guard handing the prompt to that render."""
+    text = tree.read(rel)
+    code = code_only(text)
+    sites: dict[str, list[int]] = {}
+    blocks: list[int] = []
+    for m in PROMPT_RENDER.finditer(code):
+        close = _paren_end(code, m.end() - 1)
+        semi = re.match(r"\s*;", code[close + 1:])
+        gen = GEN_RENDER.match(code, close + 1 + semi.end()) if semi else None
+        if gen is None or close < 0:
+            continue
+        gen_close = _paren_end(code, gen.end() - 1)
+        if gen_close < 0 or not re.match(r"\s*;", code[gen_close + 1:]):
+            continue
+        args = re.sub(r"\s+", "", code[m.end():close])
+        if (gen.group(1) != m.group(1).replace("direct_apply", "generation_prompt")
+                or re.sub(r"\s+", "", code[gen.end():gen_close]) != args
+                or (not m.group(1).endswith("_impl") and not wrappers_forward)):
+            continue
+        inputs = args.split(",")[1] if args.count(",") >= 1 else ""
+        before = code[:m.start()].rstrip()
+        if not re.fullmatch(r"\w+", inputs) or not before or before[-1] not in ";{}":
+            continue  # not a statement of its own (e.g. the body of an if without braces)
+        blocks.append(_innermost_block(code, m.start()))
+        end = close + 1 + semi.end()
+        gen_end = gen_close + 1 + re.match(r"\s*;", code[gen_close + 1:]).end()
+        # the edit's text: both statements (the guard goes between them, on the prompt's last line)
+        key = (text[m.start():gen_end], text[m.start():end] + RENDERED_GUARD.format(inputs=inputs)
+               + text[end:gen_end])
+        sites.setdefault(key, []).append(m.start())
+    if len(set(blocks)) != len(blocks):
+        return []  # two guards would share a scope (one name): none
+    edits = []
+    for (old, new), starts in sites.items():
+        found, at = [], text.find(old)
+        while at >= 0:
+            found.append(at)
+            at = text.find(old, at + 1)
+        if found == starts:  # every occurrence of this text is such a site
+            edits.append(Edit(old, new, len(starts), speed=NO_GEN_REUSE, group=f"no_gen_reuse {rel}"))
+    return edits
+
+
+def no_gen_reuse_rewrites(tree: Tree, notes: list[str], handlers: list[Rewrite],
+                          probed: dict[str, list[Edit]]) -> list[Rewrite]:
+    """The no-generation-prompt render reuse: its edit of generation_prompt_impl (added to
+    ``probed``) and of the call sites in common/chat.cpp, the generator and the handler files
+    (added to their rewrites in ``handlers``, or as new ones); returns the handler rewrites."""
+    problems = no_gen_reuse_problems(tree)
+    if problems:
+        notes.append("common/chat.cpp: the generation prompt renders the prompt again for requests without "
+                     f"add_generation_prompt ({'; '.join(problems)})")
+        return handlers
+    forward = _wrappers_forward(code_only(tree.read("common/chat.cpp")))
+    probed.setdefault("common/chat.cpp", []).extend(
+        [Edit(NO_GEN_HEAD + NO_GEN_RENDER + ";\n",
+              NO_GEN_HEAD + "llamaprompt_no_gen_render(&inputs, !inputs.add_generation_prompt, [&] { return "
+              + NO_GEN_RENDER + "; });\n", speed=NO_GEN_REUSE)]
+        + no_gen_reuse_edits(tree, "common/chat.cpp", forward))
+    folder = tree.root / HANDLER_DIR
+    files = [f"{HANDLER_DIR}/{p.name}" for p in sorted(folder.glob("*.cpp"))] if folder.is_dir() else []
+    by_file = {rw.rel: rw for rw in handlers}
+    out = list(handlers)
+    for rel in files + ([GENERATOR] if tree.has(GENERATOR) else []):
+        edits = no_gen_reuse_edits(tree, rel, forward)
+        if not edits:
+            continue
+        if rel in by_file:  # before the stop point's edit, whose line (the second statement) they keep
+            by_file[rel].edits[:0] = edits
+        else:
+            out.append(Rewrite(rel, f"mirror/{rel}", edits))
+    return out
 
 
 def mirror_headers(tree: Tree, out_dir: Path, rewritten: dict[str, str]) -> None:
@@ -1636,6 +1938,9 @@ def main(argv: list[str]) -> int:
             probed["common/jinja/value.h"] = leaf_type_test_edits(tree, notes) + bool_int_edits(tree, notes)
             if tree.has("common/jinja/runtime.cpp"):
                 probed["common/jinja/runtime.cpp"] = member_text_edits(tree, notes)
+            if tree.has("common/jinja/runtime.h"):
+                probed["common/jinja/runtime.h"] = leaf_stmt_test_edits(tree, notes)
+        handlers = no_gen_reuse_rewrites(tree, notes, handlers, probed)
         rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, probed)
         server_chat_params_check(tree)
         server_main_check(tree)
@@ -1677,7 +1982,7 @@ def main(argv: list[str]) -> int:
     # the upstream files whose build-tree copies src/cpp/shim_*.cpp compile into _core (every
     # definition of each is in its copy): CMakeLists.txt does not compile them again in llama-common
     cmake.append(f"set(LP_COPIED_SOURCES {' '.join(rw.rel for rw in REWRITES + handlers)})")
-    # the handler files with a prompt-only stop point: _core compiles their copies
+    # the handler files with a prompt-only stop point or the render reuse: _core compiles their copies
     cmake.append(f"set(LP_HANDLER_COPIES {' '.join(rw.out for rw in handlers)})")
     cmake += [f"message(STATUS {cmake_str('llamaprompt: ' + n)})" for n in notes]
     (out / "lp_tree.cmake").write_text("\n".join(cmake) + "\n")

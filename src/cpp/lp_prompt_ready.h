@@ -14,3 +14,22 @@
 #include <string>
 
 void llamaprompt_prompt_ready(const std::string & prompt, const char * handler);
+
+// The prompt's render handed to the generation prompt (adapt_tree.py no_gen_reuse_edits, an
+// engine rewrite): declared right after `data.prompt = <render>(ARGS);` where the next statement
+// is `data.generation_prompt = <generation prompt>(ARGS);` with the same arguments. The next
+// common_chat_template_generation_prompt_impl on this thread, for the same inputs object and a
+// request without add_generation_prompt, takes `prompt` as its render without
+// add_generation_prompt -- the same call's result (src/cpp/shim_chat.cpp,
+// llamaprompt_no_gen_render) -- instead of rendering the template again.
+class llamaprompt_rendered_prompt {
+  public:
+    llamaprompt_rendered_prompt(const std::string & prompt, const void * inputs);
+    ~llamaprompt_rendered_prompt();
+    llamaprompt_rendered_prompt(const llamaprompt_rendered_prompt &) = delete;
+    llamaprompt_rendered_prompt & operator=(const llamaprompt_rendered_prompt &) = delete;
+
+  private:
+    const std::string * prev_prompt_;
+    const void * prev_inputs_;
+};

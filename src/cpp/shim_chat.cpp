@@ -402,6 +402,41 @@ static void llamaprompt_load_parser(common_peg_arena & arena, const std::string 
     arena.load(parser);
 }
 
+namespace llamaprompt {
+// the prompt just rendered, and the inputs it was rendered with (llamaprompt_rendered_prompt)
+struct rendered_prompt_state {
+    const std::string * prompt = nullptr;
+    const void * inputs = nullptr;
+};
+thread_local rendered_prompt_state rendered_prompt;
+}  // namespace llamaprompt
+
+llamaprompt_rendered_prompt::llamaprompt_rendered_prompt(const std::string & prompt, const void * inputs)
+    : prev_prompt_(llamaprompt::rendered_prompt.prompt), prev_inputs_(llamaprompt::rendered_prompt.inputs) {
+    llamaprompt::rendered_prompt = {&prompt, inputs};
+}
+
+llamaprompt_rendered_prompt::~llamaprompt_rendered_prompt() {
+    llamaprompt::rendered_prompt = {prev_prompt_, prev_inputs_};
+}
+
+// replaces the render without add_generation_prompt in common_chat_template_generation_prompt_impl
+// (adapt_tree.py no_gen_reuse_problems: its inputs' copy differs from `inputs` only in fields that
+// common_chat_template_direct_apply_impl does not read, and in add_generation_prompt, off here when
+// `no_generation_prompt`): the prompt its caller rendered with the same arguments just before, if
+// there is one for these inputs, else render() -- always render() while template_inputs records
+// every render of the request
+template <typename Render>
+static std::string llamaprompt_no_gen_render(const void * inputs, bool no_generation_prompt, Render && render) {
+    const llamaprompt::rendered_prompt_state known = llamaprompt::rendered_prompt;
+    llamaprompt::rendered_prompt = {};  // for this render only
+    const llamaprompt::handler_state * st = llamaprompt::current_handler;
+    if (known.prompt && known.inputs == inputs && no_generation_prompt && !(st && st->renders)) {
+        return *known.prompt;
+    }
+    return render();
+}
+
 #include "thread_safe_time.h"
 #include "chat.cpp"  // the generated copy
 #undef localtime
