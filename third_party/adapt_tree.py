@@ -808,6 +808,15 @@ def closed_value_families(tree: Tree, leaves: list[str], derived: dict[str, str]
     return families
 
 
+def _leaf_trait(head: list[str], trait: str, leaves: list[str]) -> list[str]:
+    """C++ lines: the comment ``head``, then ``trait<T>`` true for each of ``leaves`` (declared),
+    false otherwise."""
+    block = [f"// {line}" for line in head] + [f"template <typename T> struct {trait} : std::false_type {{}};"]
+    for name in leaves:
+        block += [f"struct {name};", f"template <> struct {trait}<{name}> : std::true_type {{}};"]
+    return block
+
+
 def leaf_type_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
     """value.h edits: is_val / cast_val test the leaf value types by typeid, a string's hash takes
     its type's hash computed once (a group)."""
@@ -819,12 +828,10 @@ def leaf_type_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
                      ", ".join(f"{t} (a base in {where})" for t, where in sorted(kept.items())))
     if not leaves:
         return []
-    block = ["// llamaprompt (an engine rewrite, see its adapt_tree.py): the value types that no class",
-             "// derives from (probed over the tree's common/, tools/server/ and llamaprompt's sources);",
-             "// a value is one of them exactly when its dynamic type is, so their tests compare typeid",
-             "template <typename T> struct llamaprompt_leaf_value : std::false_type {};"]
-    for name in leaves:
-        block += [f"struct {name};", f"template <> struct llamaprompt_leaf_value<{name}> : std::true_type {{}};"]
+    block = _leaf_trait(["llamaprompt (an engine rewrite, see its adapt_tree.py): the value types that no class",
+                         "derives from (probed over the tree's common/, tools/server/ and llamaprompt's sources);",
+                         "a value is one of them exactly when its dynamic type is, so their tests compare typeid"],
+                        "llamaprompt_leaf_value", leaves)
     block += ["// the value types whose derived types are all leaves defined in this header (the same probe):",
               "// a value is one of them exactly when its dynamic type is the type or one of those",
               "template <typename... D> struct llamaprompt_value_types {};",
@@ -901,6 +908,14 @@ def _base_names(text: str) -> set[str]:
     return names
 
 
+ALIAS = re.compile(r"\btypedef\b[^;]*|\busing\s+\w+\s*=[^;]*|#\s*define\b[^\n]*")
+
+
+def _alias_words(text: str) -> set[str]:
+    """The names in the typedefs, alias declarations and macros of ``text``."""
+    return {w for m in ALIAS.finditer(text) for w in re.findall(r"\w+", m.group(0))}
+
+
 def leaf_stmt_types(tree: Tree) -> list[str]:
     """The syntax-tree node types of common/jinja/runtime.h that nothing derives from: no class head
     of the program lists one as a base, no typedef, alias or macro names one (node type names are
@@ -909,13 +924,8 @@ def leaf_stmt_types(tree: Tree) -> list[str]:
     texts = _program_texts(tree)
     if any(_derives_from_parameter(text) for _, text in texts):
         return []
-    bases = set().union(*(_base_names(text) for _, text in texts))
-    leaves = []
-    for t in types:
-        alias = re.compile(rf"\btypedef\b[^;]*\b{t}\b|\busing\s+\w+\s*=[^;]*\b{t}\b|#\s*define\b[^\n]*\b{t}\b")
-        if t not in bases and not any(alias.search(text) for _, text in texts):
-            leaves.append(t)
-    return leaves
+    named = set().union(*(_base_names(text) | _alias_words(text) for _, text in texts))
+    return [t for t in types if t not in named]
 
 
 def leaf_stmt_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
@@ -924,12 +934,11 @@ def leaf_stmt_test_edits(tree: Tree, notes: list[str]) -> list[Edit]:
     if not leaves:
         notes.append("common/jinja/runtime.h: syntax-tree node type tests by dynamic_cast kept (no leaf node type)")
         return []
-    block = ["// llamaprompt (an engine rewrite, see its adapt_tree.py): the syntax-tree node types that no",
-             "// class derives from (probed over the tree's common/, tools/server/ and llamaprompt's sources);",
-             "// a node is one of them exactly when its dynamic type is, so their tests compare typeid",
-             "template <typename T> struct llamaprompt_leaf_stmt : std::false_type {};"]
-    for name in leaves:
-        block += [f"struct {name};", f"template <> struct llamaprompt_leaf_stmt<{name}> : std::true_type {{}};"]
+    block = _leaf_trait(["llamaprompt (an engine rewrite, see its adapt_tree.py): the syntax-tree node types that no",
+                         "class derives from (probed over the tree's common/, tools/server/ and llamaprompt's "
+                         "sources);",
+                         "a node is one of them exactly when its dynamic type is, so their tests compare typeid"],
+                        "llamaprompt_leaf_stmt", leaves)
     block += ["template <typename T, typename S>",
               "inline T * llamaprompt_cast_stmt(S * ptr) {",
               "    if constexpr (llamaprompt_leaf_stmt<std::remove_const_t<T>>::value) {",
@@ -1130,7 +1139,7 @@ def no_gen_reuse_problems(tree: Tree) -> list[str]:
         problems.append("common_chat_template_direct_apply_impl passes `inputs` on whole")
     read = {u.strip(" .") for u in uses if u}
     for name in NO_GEN_CHANGED:
-        if re.sub(r"\s", "", name) in read:
+        if name in read:
             problems.append(f"common_chat_template_direct_apply_impl reads inputs.{name}")
     # both functions take the same parameters (and defaults), wherever they are declared
     for rel in ("common/chat.cpp", "common/chat.h", f"{HANDLER_DIR}/parsers.h"):
@@ -1175,9 +1184,9 @@ def no_gen_reuse_edits(tree: Tree, rel: str, wrappers_forward: bool) -> list[Edi
     blocks: list[int] = []
     for m in PROMPT_RENDER.finditer(code):
         close = _paren_end(code, m.end() - 1)
-        semi = re.match(r"\s*;", code[close + 1:])
+        semi = re.match(r"\s*;", code[close + 1:]) if close >= 0 else None
         gen = GEN_RENDER.match(code, close + 1 + semi.end()) if semi else None
-        if gen is None or close < 0:
+        if gen is None:
             continue
         gen_close = _paren_end(code, gen.end() - 1)
         if gen_close < 0 or not re.match(r"\s*;", code[gen_close + 1:]):
