@@ -7,17 +7,19 @@ timings drift between runs (docs/performance.md, "Where it stands").
 For each pinned template named (default: Qwen3 0.6B, Llama 3.1 8B, Kimi K3, Gemma 4 31B), a
 fresh process loads it and renders the default request set twice (the warm-up: the template
 analysis and the parser-inputs memo are filled, then the first prompt-only renders run: one-time
-costs such as the first C++ exception of a stop point), then N more rounds (default 10). It runs
-twice, with 0 and with N rounds; the difference over N x the requests that render without
-error is the figure, so loading and the warm-up cancel out. With ``--reference``, the same for a
-copy of the installed package whose ``_core`` is that module (e.g. the previous build's, or one
-built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF``), and the installed build's count over it (< 1:
-the installed build runs fewer instructions). Needs valgrind (Debian: ``apt-get install valgrind``).
+costs such as the first C++ exception of a stop point), then N more rounds (default 10) with
+Python's garbage collector off. It runs twice, with 0 and with N rounds; the difference over
+N x the requests that render without error is the figure, so loading and the warm-up cancel out.
+With ``--reference``, the same for a copy of the installed package whose ``_core`` is that module
+(e.g. the previous build's, or one built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF``), and the
+installed build's count over it (< 1: the installed build runs fewer instructions). Needs
+valgrind (Debian: ``apt-get install valgrind``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -40,7 +42,7 @@ DEFAULT_TEMPLATES = (
 
 def worker(name: str, rounds: int) -> None:
     """Load ``name``, render the default request set twice (warm-up), then ``rounds`` more
-    times; print how many requests render without error."""
+    times with the garbage collector off; print how many requests render without error."""
     import llamaprompt
     from llamaprompt.fixtures import default_requests
     from llamaprompt.pinned import pinned_template
@@ -54,7 +56,13 @@ def worker(name: str, rounds: int) -> None:
         except llamaprompt.Error:
             continue
         ok.append(body)
-    for _ in range(1 + rounds):  # one more warm-up round: the first prompt-only renders
+    for body in ok:  # one more warm-up round: the first prompt-only renders
+        t.apply_template(body)
+    # Python's cyclic garbage collector runs when its allocation counters say so: a collection
+    # falling in one of the two runs and not the other would be counted as rendering
+    gc.collect()
+    gc.disable()
+    for _ in range(rounds):
         for body in ok:
             t.apply_template(body)
     print(len(ok))
