@@ -5,7 +5,9 @@ recordings (the reference fixtures), mapped the way the docs say the arguments m
 
 from __future__ import annotations
 
+import json
 import logging
+import types
 
 import numpy as np
 import pytest
@@ -253,6 +255,31 @@ def test_tools_a_template_ignores_are_warned_once(caplog):
     warned = _records(caplog)
     assert len(warned) == 1 and "supports_tools" in warned[0] and "google-gemma-2-2b-it.jinja" in warned[0]
     assert '"f"' not in prompt and "f" not in prompt.replace("of", "")  # the tool is indeed not in the prompt
+
+
+def test_request_text_is_decoded_only_for_pending_warnings(monkeypatch):
+    # the notices decode request text (bytes / str) only when it names a key a warning is still
+    # pending for: Qwen3 renders tools, so a body with tools is not decoded for them
+    from llamaprompt import notices
+
+    decoded = []
+    counting = types.SimpleNamespace(loads=lambda text: decoded.append(text) or json.loads(text))
+    monkeypatch.setattr(notices, "json", counting)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]})
+    qwen = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    gemma = llamaprompt.ChatTemplate.from_file(template_path("google-gemma-2-2b-it.jinja"))
+    qwen.apply_template(body)
+    assert decoded == []
+    gemma.apply_template(body)  # gemma 2 renders no tools: the warning is pending, the text decoded
+    gemma.apply_template(body)  # warned once: nothing pending for "tools" any more
+    assert decoded == [body.encode()]
+    # a misplaced template variable: decoded and warned the first time, no longer searched for after
+    kwargs = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "enable_thinking": False})
+    decoded.clear()
+    qwen.apply_template(kwargs)
+    qwen.apply_template(kwargs)
+    assert decoded == [kwargs.encode()]
 
 
 def test_chatml_fallback_is_warned(caplog):

@@ -12,6 +12,7 @@ application configures logging). They never change what llama.cpp receives or re
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -42,27 +43,41 @@ MISPLACED_KWARGS = (
     "add_vision_id",
 )
 
-_TOP_LEVEL_TEXT = re.compile(rb'"(' + b"|".join(k.encode() for k in MISPLACED_KWARGS) + rb'|tools)"\s*:')
+
+@functools.lru_cache(maxsize=64)
+def _keys_text(keys: frozenset[str]) -> re.Pattern[bytes] | None:
+    """A search for any of ``keys`` as an object key anywhere in request text (a cheap filter
+    before decoding it: a hit may be nested, e.g. in ``chat_template_kwargs``); None for none."""
+    if not keys:
+        return None
+    return re.compile(rb'"(' + b"|".join(re.escape(k.encode()) for k in sorted(keys)) + rb')"\s*:')
 
 
 class Notices:
     """The warnings one template still owes (each is logged at most once)."""
 
-    __slots__ = ("_misplaced", "_tools", "name")
+    __slots__ = ("_misplaced", "_pending_text", "_tools", "name")
 
     def __init__(self, name: str, caps: Mapping[str, bool]) -> None:
         self.name = name
         self._misplaced = set(MISPLACED_KWARGS)
         # llama.cpp's own caps: a template that renders neither tools nor tool calls ignores them
         self._tools = not caps.get("supports_tools", True) and not caps.get("supports_tool_calls", True)
+        self._pending_changed()
+
+    def _pending_changed(self) -> None:
+        # request text is decoded only when it names a key a warning is still pending for: a
+        # template that renders tools never decodes a request for its "tools"
+        keys = set(self._misplaced) | ({"tools"} if self._tools else set())
+        self._pending_text = _keys_text(frozenset(keys))
 
     def check(self, request: Any) -> None:
         """Log what this request shows for the first time (cheap when nothing is pending)."""
-        if not self._misplaced and not self._tools:
+        if self._pending_text is None:
             return
         if isinstance(request, (bytes, str)):
             text = request.encode("utf-8", "surrogatepass") if isinstance(request, str) else request
-            if not _TOP_LEVEL_TEXT.search(text):
+            if not self._pending_text.search(text):
                 return
             try:
                 request = json.loads(text)
@@ -73,6 +88,7 @@ class Notices:
         if self._misplaced:
             for key in self._misplaced.intersection(request.keys()):
                 self._misplaced.discard(key)
+                self._pending_changed()
                 logger.warning(
                     "%s: request key %r is not read by llama-server at the top level of a request, so it has no "
                     'effect; template variables go in "chat_template_kwargs" (e.g. {"chat_template_kwargs": '
@@ -85,6 +101,7 @@ class Notices:
             tools = request.get("tools")
             if isinstance(tools, list) and tools:
                 self._tools = False
+                self._pending_changed()
                 logger.warning(
                     "%s: the request has tools, but the template renders neither tools nor tool calls "
                     "(chat_template_caps supports_tools and supports_tool_calls are false): llama.cpp passes "
