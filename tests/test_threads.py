@@ -1,8 +1,15 @@
-"""A ChatTemplate shared by many threads gives the same prompts as sequential calls."""
+"""A ChatTemplate shared by many threads gives the same prompts as sequential calls; the threads
+of apply_template_many are kept between calls (src/cpp/worker_pool.cpp)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 import llamaprompt
 from conftest import load_reference
@@ -47,3 +54,72 @@ def test_threads_on_a_template_whose_execution_changes_it():
         got = list(pool.map(t.apply_template, reqs * 25))
     assert got == expected * 25
     assert t.apply_template_many(reqs * 10, threads=4) == expected * 10
+
+
+KEPT_THREADS = """
+import os
+import time
+
+import llamaprompt
+
+def threads_now():
+    return len(os.listdir("/proc/self/task"))
+
+t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(64)]
+expected = [t.apply_template(r) for r in reqs]
+counts = [threads_now()]
+assert t.apply_template_many(reqs, threads=3) == expected
+counts.append(threads_now())
+assert t.apply_template_many(reqs, threads=3) == expected
+counts.append(threads_now())
+time.sleep(11)
+counts.append(threads_now())
+print(*counts)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
+@pytest.mark.slow  # waits out the pool's idle timeout (10 s)
+def test_apply_template_many_keeps_its_threads_between_calls():
+    # worker_pool.cpp: the threads of a call on N threads stay for the next call (warm), and
+    # leave after 10 s without work; counted in a process of its own (no other test's threads)
+    proc = subprocess.run([sys.executable, "-c", KEPT_THREADS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before, after_first, after_second, after_idle = map(int, proc.stdout.split())
+    assert after_first == before + 2
+    assert after_second == after_first  # the same two threads served the second call
+    assert after_idle == before
+
+
+def _render_in_child(queue) -> None:
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(32)]
+    queue.put(t.apply_template_many(reqs, threads=2))
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+def test_apply_template_many_in_a_forked_child():
+    # a child forked after the pool started has the pool's memory but none of its threads: its
+    # calls start threads of their own instead of waiting for the parent's
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(32)]
+    expected = t.apply_template_many(reqs, threads=2)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_render_in_child, args=(queue,))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert got == expected == [t.apply_template(r) for r in reqs]
+
+
+def test_apply_template_many_called_from_several_threads_at_once():
+    # calls that share the pool: each gets its own prompts, in its order
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    batches = [[{"messages": [{"role": "user", "content": f"batch {b}, {i}"}]} for i in range(40)] for b in range(6)]
+    expected = [[t.apply_template(r) for r in batch] for batch in batches]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        got = list(pool.map(lambda batch: t.apply_template_many(batch, threads=3), batches))
+    assert got == expected

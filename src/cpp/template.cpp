@@ -8,6 +8,7 @@
 #include "shim.h"
 #include "text.h"
 #include "tree.h"
+#include "worker_pool.h"
 
 #include <pybind11/stl.h>
 
@@ -17,7 +18,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <string>
 #include <vector>
 
@@ -277,15 +277,8 @@ class core_template {
                     out[i].logs = logs.records();
                 }
             };
-            const size_t n_threads = std::max<size_t>(1, std::min<size_t>(threads, bodies.size()));
-            std::vector<std::thread> pool;
-            for (size_t t = 1; t < n_threads; ++t) {
-                pool.emplace_back(work);
-            }
-            work();
-            for (auto & t : pool) {
-                t.join();
-            }
+            // the calling thread and threads kept between calls (worker_pool.h)
+            run_on_threads(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
         }
         py::list result;
         for (const auto & o : out) {

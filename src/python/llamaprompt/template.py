@@ -646,8 +646,10 @@ class ChatTemplate:
         """:meth:`apply_template` for many requests, rendered on ``threads`` C++ threads.
 
         The requests are serialized first (in this thread); then the GIL is released once
-        for the whole batch and the renders run in parallel inside llama.cpp. With hooks,
-        the requests go through :meth:`apply_template` on a Python thread pool instead.
+        for the whole batch and the renders run in parallel inside llama.cpp: on the calling
+        thread and ``threads - 1`` C++ threads that are kept between calls (warm for the
+        next batch; each leaves after 10 s without work). With hooks, the requests go through
+        :meth:`apply_template` on a Python thread pool instead.
 
         Args:
             requests: request bodies, as for :meth:`apply_template`.
