@@ -66,29 +66,37 @@ def threads_now():
     return len(os.listdir("/proc/self/task"))
 
 t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
-reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(64)]
+reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(600)]
 expected = [t.apply_template(r) for r in reqs]
 counts = [threads_now()]
-assert t.apply_template_many(reqs, threads=3) == expected
+assert t.apply_template_many(reqs[:64], threads=3) == expected[:64]
 counts.append(threads_now())
-assert t.apply_template_many(reqs, threads=3) == expected
+assert t.apply_template_many(reqs[:64], threads=3) == expected[:64]
+counts.append(threads_now())
+for _ in range(5):  # one call after another: the workers of the last one are taken again
+    assert t.apply_template_many(reqs[:64], threads=4) == expected[:64]
+counts.append(threads_now())
+assert t.apply_template_many(reqs, threads=500) == expected
 counts.append(threads_now())
 time.sleep(11)
 counts.append(threads_now())
-print(*counts)
+print(*counts, os.cpu_count())
 """
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
 @pytest.mark.slow  # waits out the pool's idle timeout (10 s)
 def test_apply_template_many_keeps_its_threads_between_calls():
-    # worker_pool.cpp: the threads of a call on N threads stay for the next call (warm), and
-    # leave after 10 s without work; counted in a process of its own (no other test's threads)
-    proc = subprocess.run([sys.executable, "-c", KEPT_THREADS], capture_output=True, text=True, timeout=120)
+    # worker_pool.cpp: the threads of a call on N threads stay for the next call (warm), no more
+    # than needed, at most max(8, 4 x CPUs) render, and they leave after 10 s without work;
+    # counted in a process of its own (no other test's threads)
+    proc = subprocess.run([sys.executable, "-c", KEPT_THREADS], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
-    before, after_first, after_second, after_idle = map(int, proc.stdout.split())
-    assert after_first == before + 2
-    assert after_second == after_first  # the same two threads served the second call
+    before, after_3, again_3, after_4, after_500, after_idle, cpus = map(int, proc.stdout.split())
+    assert after_3 == before + 2
+    assert again_3 == after_3  # the same two threads served the second call
+    assert after_4 == before + 3
+    assert after_500 == before + max(8, 4 * cpus) - 1
     assert after_idle == before
 
 
@@ -123,3 +131,40 @@ def test_apply_template_many_called_from_several_threads_at_once():
     with ThreadPoolExecutor(max_workers=6) as pool:
         got = list(pool.map(lambda batch: t.apply_template_many(batch, threads=3), batches))
     assert got == expected
+
+
+EXIT_WHILE_RENDERING = """
+import sys
+import threading
+import time
+
+import llamaprompt
+
+t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(50)]
+threads = int(sys.argv[1])
+
+def forever():
+    while True:
+        if threads:
+            t.apply_template_many(reqs, threads=threads)
+        else:
+            t.apply_template(reqs[0])
+
+threading.Thread(target=forever, daemon=True).start()
+time.sleep(0.5)
+print("exiting")
+"""
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_interpreter_exit_while_a_daemon_thread_renders(threads):
+    # at shutdown CPython ends a daemon thread waiting for the GIL with pthread_exit; the GIL
+    # was taken back in a noexcept destructor, so the process aborted ("terminate called
+    # without an active exception", exit 134) whenever a daemon thread was rendering (gil.h)
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_RENDERING, str(threads)], capture_output=True, text=True, timeout=120
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (0, "exiting"), proc.stderr
+    assert "terminate" not in proc.stderr
+

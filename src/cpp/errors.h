@@ -4,6 +4,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include "gil.h"
+
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -27,7 +29,7 @@ auto call_upstream(F && fn) -> decltype(fn()) {
     std::string message;
     int status;
     {
-        pybind11::gil_scoped_release nogil;
+        gil_released nogil;
         try {
             return fn();
         } catch (const error &) {

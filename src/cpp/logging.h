@@ -5,6 +5,10 @@
 
 #include <pybind11/pybind11.h>
 
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
+
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +56,10 @@ auto with_log_capture(F && fn) -> decltype(fn()) {
         auto result = fn();
         logs.emit();
         return result;
+#if defined(__GLIBCXX__)
+    } catch (abi::__forced_unwind &) {
+        throw;  // a thread CPython ends at shutdown (gil.h): it holds no GIL to log with
+#endif
     } catch (...) {
         logs.emit();
         throw;

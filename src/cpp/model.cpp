@@ -32,7 +32,7 @@ auto with_log(const char * what, F && fn) -> decltype(fn()) {
     log_capture logs;
     std::string message;
     {
-        py::gil_scoped_release nogil;
+        gil_released nogil;
         try {
             return fn();
         } catch (const std::exception & e) {
@@ -150,13 +150,13 @@ void check_tokenize(const llama_vocab * vocab, bool add_special) {
 core_model::core_model(const std::string & path) : path_(path) {
     check_file(path);
     {
-        py::gil_scoped_release nogil;
+        gil_released nogil;
         check_vocab_metadata(path);
     }
     log_capture logs;
     std::string message;
     {
-        py::gil_scoped_release nogil;
+        gil_released nogil;
         llama_model_params mp = llama_model_default_params();
         mp.vocab_only = true;  // as the task asks: no tensor data is read
         mp.n_gpu_layers = 0;

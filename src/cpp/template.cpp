@@ -257,7 +257,7 @@ class core_template {
         };
         std::vector<outcome> out(bodies.size());
         {
-            py::gil_scoped_release nogil;
+            gil_released nogil;
             std::atomic<size_t> next{0};
             auto work = [&]() {
                 for (size_t i; (i = next++) < bodies.size();) {
@@ -492,7 +492,7 @@ class core_template {
 
     static common_params parse_args(const std::vector<std::string> & server_args) {
         try {
-            py::gil_scoped_release nogil;
+            gil_released nogil;
             return parse_server_args(server_args);
         } catch (const std::exception & e) {
             throw error(error_kind::server_args, 0, e.what());
@@ -510,7 +510,7 @@ class core_template {
         log_capture logs;
         std::string message;
         {
-            py::gil_scoped_release nogil;
+            gil_released nogil;
             try {
                 jinja_budget budget(limits_);  // the load-time probes render the template
                 common_chat_templates_ptr tmpls = make_templates();
@@ -533,7 +533,7 @@ class core_template {
             if (message == "std::exception" && !source.empty()) {
                 // common_chat_templates_init rethrows a parse error as `throw e;` (a copy sliced
                 // to std::exception); the parser's own message comes from parsing it again
-                py::gil_scoped_release nogil;
+                gil_released nogil;
                 try {
                     common_chat_template probe(source, bos, eos);
                 } catch (const std::exception & e) {

@@ -1,5 +1,7 @@
 #include "worker_pool.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -25,20 +27,24 @@ struct batch {
     std::exception_ptr error;
 };
 
-void run_one(batch & b, bool counted) {
-    std::exception_ptr error;
-    try {
-        (*b.fn)();
-    } catch (...) {
-        error = std::current_exception();
-    }
+// record a pool call's end: its error (the first one kept), one call fewer to wait for
+void finish(batch & b, std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(b.mutex);
     if (error && !b.error) {
         b.error = error;
     }
-    if (counted && --b.pending == 0) {
+    if (--b.pending == 0) {
         b.done.notify_all();
     }
+}
+
+std::exception_ptr call(const std::function<void()> & fn) {
+    try {
+        fn();
+    } catch (...) {
+        return std::current_exception();
+    }
+    return nullptr;
 }
 
 // a worker with nothing to do for this long leaves (a process that rendered on many threads
@@ -46,55 +52,74 @@ void run_one(batch & b, bool counted) {
 constexpr auto idle_timeout = std::chrono::seconds(10);
 
 struct pool {
+#if !defined(_WIN32)
+    pid_t pid = getpid();  // the process whose threads these are
+#endif
     std::mutex mutex;
     std::condition_variable work;
     std::deque<batch *> queue;  // one entry per pool call still to start
-    size_t idle = 0;            // workers waiting for an entry
+    size_t idle = 0;            // workers that will take the next entries: waiting, or about to
+    size_t starting = 0;        // workers started that have not run yet
 
     void worker() {
         std::unique_lock<std::mutex> lock(mutex);
+        --starting;
+        ++idle;
         for (;;) {
-            ++idle;
-            const bool got = work.wait_for(lock, idle_timeout, [&] { return !queue.empty(); });
-            --idle;
-            if (!got) {
+            if (!work.wait_for(lock, idle_timeout, [&] { return !queue.empty(); })) {
+                --idle;
                 return;  // idle too long: this thread ends (its thread-local state is freed)
             }
             batch * b = queue.front();
             queue.pop_front();
+            --idle;
             lock.unlock();
-            run_one(*b, true);
+            std::exception_ptr error = call(*b->fn);
+            lock.lock();
+            // idle again before the batch learns that this call returned: a caller that goes
+            // on to its next batch at once counts this worker as available, not one to add
+            ++idle;
+            lock.unlock();
+            finish(*b, error);
             lock.lock();
         }
     }
 };
 
-#if !defined(_WIN32)
-pid_t pool_pid = 0;
-#endif
-pool * the_pool = nullptr;
-std::mutex pool_mutex;
+// The process's pool, made on first use. Never destroyed: workers may still be waiting in it
+// while the process exits. A forked child has the parent's pool object but none of its
+// threads, and perhaps its mutex held by a thread of the parent at the fork: the child makes a
+// pool of its own (no lock taken: the pointer is atomic).
+std::atomic<pool *> the_pool{nullptr};
 
-// The process's pool. Never destroyed: workers may still be waiting in it while the process
-// exits. A forked child has the parent's pool object but none of its threads (and perhaps a
-// mutex held at the fork): it gets a pool of its own.
 pool & process_pool() {
-    std::lock_guard<std::mutex> lock(pool_mutex);
+    pool * p = the_pool.load(std::memory_order_acquire);
 #if !defined(_WIN32)
-    if (the_pool && pool_pid != getpid()) {
-        the_pool = nullptr;  // the parent's: left as it is
-    }
-    pool_pid = getpid();
+    const bool ours = p && p->pid == getpid();
+#else
+    const bool ours = p != nullptr;
 #endif
-    if (!the_pool) {
-        the_pool = new pool();
+    if (ours) {
+        return *p;
     }
-    return *the_pool;
+    pool * fresh = new pool();
+    if (the_pool.compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) {
+        return *fresh;  // (the parent's pool, if any, is left as it is)
+    }
+    delete fresh;  // another thread of this process made one first
+    return *p;
+}
+
+// more threads than this add nothing but memory (a render does not wait for anything)
+size_t max_threads() {
+    const size_t cores = std::thread::hardware_concurrency();
+    return std::max<size_t>(8, 4 * cores);
 }
 
 }  // namespace
 
 void run_on_threads(size_t n, const std::function<void()> & fn) {
+    n = std::min(n, max_threads());
     if (n <= 1) {
         fn();
         return;
@@ -108,37 +133,42 @@ void run_on_threads(size_t n, const std::function<void()> & fn) {
         for (size_t i = 0; i + 1 < n; ++i) {
             p.queue.push_back(&b);
         }
-        // enough workers for the entries queued (this call's and others' not yet started)
-        size_t missing = p.queue.size() > p.idle ? p.queue.size() - p.idle : 0;
-        for (; missing > 0; --missing) {
+        // enough workers for the entries queued (this call's, and others' not yet taken)
+        const size_t available = p.idle + p.starting;
+        for (size_t missing = p.queue.size() > available ? p.queue.size() - available : 0; missing > 0; --missing) {
             try {
                 std::thread([&p] { p.worker(); }).detach();
+                ++p.starting;
             } catch (const std::system_error &) {
                 break;  // no more threads to be had: the workers there are take the entries in turn
             }
         }
         p.work.notify_all();
     }
-    run_one(b, false);
+    std::exception_ptr error = call(fn);
     {
-        // the pool calls may still be queued when no worker could be started: run them here
+        // this call's entries that no worker has taken yet (none could be started, or all are
+        // busy with other calls): run here, where they return at once (the work is done)
         std::unique_lock<std::mutex> lock(p.mutex);
         for (auto it = p.queue.begin(); it != p.queue.end();) {
             if (*it != &b) {
                 ++it;
                 continue;
             }
-            it = p.queue.erase(it);
+            p.queue.erase(it);
             lock.unlock();
-            run_one(b, true);
+            finish(b, call(fn));
             lock.lock();
             it = p.queue.begin();
         }
     }
     std::unique_lock<std::mutex> lock(b.mutex);
     b.done.wait(lock, [&] { return b.pending == 0; });
-    if (b.error) {
-        std::rethrow_exception(b.error);
+    if (!error) {
+        error = b.error;
+    }
+    if (error) {
+        std::rethrow_exception(error);
     }
 }
 

@@ -648,8 +648,9 @@ class ChatTemplate:
         The requests are serialized first (in this thread); then the GIL is released once
         for the whole batch and the renders run in parallel inside llama.cpp: on the calling
         thread and ``threads - 1`` C++ threads that are kept between calls (warm for the
-        next batch; each leaves after 10 s without work). With hooks, the requests go through
-        :meth:`apply_template` on a Python thread pool instead.
+        next batch; each leaves after 10 s without work). At most max(8, 4 x the CPU count)
+        threads render (a render waits for nothing: more would only take memory). With hooks,
+        the requests go through :meth:`apply_template` on a Python thread pool instead.
 
         Args:
             requests: request bodies, as for :meth:`apply_template`.
