@@ -100,9 +100,16 @@ def test_apply_template_many_keeps_its_threads_between_calls():
     assert after_idle == before
 
 
+def _qwen() -> llamaprompt.ChatTemplate:
+    return llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+
+
+def _greetings(n: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(n)]
+
+
 def _render_in_child(queue) -> None:
-    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
-    reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(32)]
+    t, reqs = _qwen(), _greetings(32)
     queue.put(t.apply_template_many(reqs, threads=2))
 
 
@@ -110,8 +117,7 @@ def _render_in_child(queue) -> None:
 def test_apply_template_many_in_a_forked_child():
     # a child forked after the pool started has the pool's memory but none of its threads: its
     # calls start threads of their own instead of waiting for the parent's
-    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
-    reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(32)]
+    t, reqs = _qwen(), _greetings(32)
     expected = t.apply_template_many(reqs, threads=2)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
@@ -125,7 +131,7 @@ def test_apply_template_many_in_a_forked_child():
 
 def test_apply_template_many_called_from_several_threads_at_once():
     # calls that share the pool: each gets its own prompts, in its order
-    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    t = _qwen()
     batches = [[{"messages": [{"role": "user", "content": f"batch {b}, {i}"}]} for i in range(40)] for b in range(6)]
     expected = [[t.apply_template(r) for r in batch] for batch in batches]
     with ThreadPoolExecutor(max_workers=6) as pool:
