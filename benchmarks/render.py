@@ -13,7 +13,9 @@ the default request set, then writes:
 
 Nothing in these files is edited by hand: rerun this script. ``--llama-server`` starts
 that llama-server with each template in turn (any GGUF model; a tiny one starts fastest)
-so that the HTTP peer is measured for every template.
+so that the HTTP peer is measured for every template: benchmarks/build_llama_server.sh
+builds one from the tree llamaprompt was built from, benchmarks/tiny_model.py writes a tiny
+model.
 """
 
 from __future__ import annotations

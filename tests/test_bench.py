@@ -6,6 +6,7 @@ is timed. No figure is asserted: timings are reported by the benchmark, not test
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from conftest import template_path
-from llamaprompt import bench
+from llamaprompt import bench, pinned_templates
 from llamaprompt.cli import main
 
 pytest.importorskip("jinja2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import serve_load  # noqa: E402
+import tiny_model  # noqa: E402
 
 QWEN3 = "Qwen-Qwen3-0.6B.jinja"
 
@@ -147,3 +149,158 @@ def test_instruction_count_benchmark(tmp_path):
     assert abs(mine - theirs) <= mine * 0.01, row  # the same module: the same count (paths differ)
     bad = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
+
+
+# -- llama-server itself (benchmarks/tiny_model.py writes the model it needs) -----------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    pytest.importorskip("gguf")
+    try:
+        vocab = tiny_model.default_vocab()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return tiny_model.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", vocab), vocab
+
+
+def test_tiny_model_keeps_the_vocab_tokenizer(tiny_gguf):
+    from llamaprompt import ChatTemplate
+
+    tiny, vocab = tiny_gguf
+    ours, theirs = ChatTemplate.from_gguf(tiny), ChatTemplate.from_gguf(vocab)
+    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token) == ("<s>", "</s>")
+    text = "Hello, world: <s>ünïcode</s>"
+    assert list(ours.tokenize(text, add_special=True, parse_special=True)) == list(
+        theirs.tokenize(text, add_special=True, parse_special=True)
+    )
+    assert tiny.stat().st_size > 10 * 2**20  # the weights are there (the vocab file has none)
+
+
+def test_tiny_model_refuses_another_architecture(tmp_path):
+    pytest.importorskip("gguf")
+    try:
+        qwen2 = tiny_model.default_vocab().with_name("ggml-vocab-qwen2.gguf")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    with pytest.raises(ValueError, match="expected 'llama'"):
+        tiny_model.write_tiny_model(tmp_path / "x.gguf", qwen2)
+
+
+LLAMA_SERVER = os.environ.get("LLAMAPROMPT_LLAMA_SERVER")
+
+
+@pytest.mark.server
+@pytest.mark.skipif(
+    not LLAMA_SERVER, reason="LLAMAPROMPT_LLAMA_SERVER (a llama-server binary of the same tree) is not set"
+)
+@pytest.mark.parametrize("name", [p.name for p in pinned_templates()] if LLAMA_SERVER else [QWEN3])
+def test_a_live_llama_server_returns_our_prompts(tiny_gguf, name):
+    # a real llama-server of the tree the module was built from, started with the tiny model:
+    # its POST /apply-template answers are the oracle, the default requests the cases
+    import llamaprompt
+    from llamaprompt import ChatTemplate
+    from llamaprompt.fixtures import default_requests
+
+    tiny, _ = tiny_gguf
+    path = template_path(name)
+    # no --mmproj: llama-server refuses media parts, as media=False does
+    ours = ChatTemplate.from_gguf(tiny, chat_template=path.read_text(), media=False)
+    compared = 0
+    with bench.LlamaServerProcess(LLAMA_SERVER, str(tiny), path) as url:
+        server = bench.ServerPeer(url)
+        assert server.serves(ours)
+        for request in default_requests().values():
+            expected = server.apply_template(json.dumps(request, ensure_ascii=False).encode())
+            try:
+                prompt = ours.apply_template(request)
+            except llamaprompt.Error:  # llama-server answers an error status
+                prompt = None
+            assert prompt == expected, request
+            compared += expected is not None
+    assert compared > 0
+
+
+def _fake_server(tmp_path, body: str) -> str:
+    script = tmp_path / "fake-llama-server"
+    script.write_text(f"#!{sys.executable}\nimport sys, time\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_llama_server_that_exits_at_start(tmp_path):
+    binary = _fake_server(tmp_path, "print('error: failed to load the template', flush=True)\nsys.exit(3)")
+    server = bench.LlamaServerProcess(binary, "m.gguf", tmp_path / "t.jinja", startup_timeout=20)
+    with pytest.raises(bench.ServerExited, match=r"exited with status 3 at start(.|\n)*failed to load the template"):
+        server.__enter__()
+
+
+def test_llama_server_still_starting(tmp_path):
+    binary = _fake_server(tmp_path, "print('analyzing the template', flush=True)\ntime.sleep(60)")
+    server = bench.LlamaServerProcess(binary, "m.gguf", tmp_path / "t.jinja", startup_timeout=0.5)
+    with pytest.raises(TimeoutError, match=r"within 0.5 s(.|\n)*analyzing the template"):
+        server.__enter__()
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not LLAMA_SERVER, reason="LLAMAPROMPT_LLAMA_SERVER (a llama-server binary of the same tree) is not set"
+)
+def test_server_differential_finds_no_difference(tiny_gguf):
+    # a short run of tests/server_differential.py (the full run's counts: docs/oracle.md)
+    import server_differential
+
+    tiny, _ = tiny_gguf
+    result = server_differential.compare(LLAMA_SERVER, n_requests=3, n_mutants=12, model=tiny)
+    assert result["templates"] == len(pinned_templates()) + 12
+    assert result["requests_compared"] > 1000
+    assert result["differences"] == 0, result["different"]
+
+
+def test_server_peer_reopens_a_connection_the_server_closed():
+    # a server that drops the kept connection once without answering (as llama-server's
+    # keep-alive timeout does between two requests): the request is sent again, once
+    import http.server
+    import threading
+
+    dropped: list[str] = []
+    dead: list[bool] = []  # set: the server drops every request (it died)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._answer({"chat_template": "{{ messages }}"})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if not dropped or dead:
+                dropped.append(self.path)
+                self.close_connection = True
+                return
+            self._answer({"prompt": "P"})
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        peer = bench.ServerPeer(f"http://127.0.0.1:{httpd.server_address[1]}")
+        assert peer.apply_template(b"{}") == "P" and dropped == ["/apply-template"]
+        dead.append(True)
+        with pytest.raises(OSError):  # dropped again on the new connection: not retried forever
+            peer.apply_template(b"{}")
+        assert len(dropped) == 3
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

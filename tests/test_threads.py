@@ -174,3 +174,10 @@ def test_interpreter_exit_while_a_daemon_thread_renders(threads):
     assert (proc.returncode, proc.stdout.strip()) == (0, "exiting"), proc.stderr
     assert "terminate" not in proc.stderr
 
+
+@pytest.mark.parametrize(
+    "threads, error", [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError), ("2", TypeError)]
+)
+def test_threads_argument_is_checked(threads, error):
+    with pytest.raises(error, match="threads must be"):
+        _qwen().apply_template_many(_greetings(2), threads=threads)

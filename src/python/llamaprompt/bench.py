@@ -70,6 +70,7 @@ __all__ = [
     "transformers_jinja2",
     "ServerPeer",
     "LlamaServerProcess",
+    "ServerExited",
 ]
 
 PEERS = ("upstream", "jinja2", "transformers", "server", "floor")
@@ -191,15 +192,27 @@ class ServerPeer:
         self.url = url
         self._prefix = parts.path.rstrip("/")
         self._conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-        self.props = self._request("GET", "/props")[1]
+        self.props = self.request("GET", "/props")[1]
         if not isinstance(self.props, dict) or "chat_template" not in self.props:
             raise ValueError(f"{url}/props did not return a chat_template")
 
-    def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+        """One HTTP request on the kept connection: (status, the JSON answer decoded, or its
+        bytes when it is not JSON). A kept connection the server closed meanwhile (its keep-alive
+        timeout) is reopened once: the endpoints asked here change nothing, so resending is safe.
+        Raises OSError (http.client.RemoteDisconnected included) when the server cannot be reached
+        or closes the new connection too (it died)."""
         headers = {"Content-Type": "application/json"} if body is not None else {}
-        self._conn.request(method, self._prefix + path, body=body, headers=headers)
-        resp = self._conn.getresponse()
-        data = resp.read()
+        for attempt in (0, 1):
+            try:
+                self._conn.request(method, self._prefix + path, body=body, headers=headers)
+                resp = self._conn.getresponse()
+                data = resp.read()
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._conn.close()
+                if attempt:
+                    raise
         try:
             return resp.status, json.loads(data)
         except ValueError:
@@ -207,7 +220,7 @@ class ServerPeer:
 
     def apply_template(self, body: bytes) -> str | None:
         """POST /apply-template; the prompt, or None for an error answer."""
-        status, data = self._request("POST", "/apply-template", body)
+        status, data = self.request("POST", "/apply-template", body)
         return data.get("prompt") if status == 200 and isinstance(data, dict) else None
 
     def serves(self, template: ChatTemplate) -> bool:
@@ -219,13 +232,24 @@ class ServerPeer:
         self._conn.close()
 
 
+class ServerExited(RuntimeError):
+    """llama-server exited before it served; ``status`` is its exit status (negative: killed by
+    that signal, e.g. -11 when a template's recursion overflowed its stack)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class LlamaServerProcess:
     """Start ``llama-server -m MODEL --jinja --chat-template-file TEMPLATE`` on a free
     loopback port; a context manager whose value is the server's URL. Any GGUF model works
     for /apply-template (llama-server loads its weights, so a small one starts fastest).
 
-    Raises OSError when the binary cannot be started, RuntimeError when the server does not
-    answer GET /health within ``startup_timeout`` seconds (its last output is in the message).
+    Raises OSError when the binary cannot be started, ServerExited (a RuntimeError) when the
+    server exits before it answers GET /health (e.g. it refuses the template), TimeoutError
+    when it is still starting after ``startup_timeout`` seconds; both messages end with the
+    server's last lines of output.
     """
 
     def __init__(self, binary: str, model: str, template: str | os.PathLike, startup_timeout: float = 60.0) -> None:
@@ -274,10 +298,16 @@ class LlamaServerProcess:
             except OSError:
                 pass
             time.sleep(0.1)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+        status = self._proc.poll()
+        self.__exit__(None, None, None)  # stops it; its log is read first
+        if status is None:
+            raise TimeoutError(
+                f"llama-server did not answer GET /health within {self.startup_timeout} s: {' '.join(cmd)}{self._tail}"
+            )
+        raise ServerExited(status, f"llama-server exited with status {status} at start: {' '.join(cmd)}{self._tail}")
 
     def __exit__(self, *exc: Any) -> None:
+        self._tail = ""
         if self._proc is not None:
             self._proc.terminate()
             try:
@@ -288,6 +318,9 @@ class LlamaServerProcess:
             self._proc = None
         log = getattr(self, "_log", None)
         if log is not None:
+            log.seek(0)
+            lines = log.read().decode("utf-8", "replace").splitlines()[-5:]  # its last output
+            self._tail = "".join("\n  " + line for line in lines)
             log.close()
             self._log = None
 
@@ -568,7 +601,7 @@ def run_bench(
                 results.append(one(path, server))
         except Error as e:
             results.append({"template": path.name, "error": e.message})
-        except RuntimeError as e:  # llama-server could not serve this template
+        except (RuntimeError, TimeoutError) as e:  # llama-server could not serve this template
             results.append({"template": path.name, "error": str(e)})
     if server is not None:
         server.close()

@@ -665,14 +665,17 @@ class ChatTemplate:
 
         Raises:
             ValueError: ``threads`` < 1.
-            TypeError: ``requests`` is one request (a mapping or text) instead of several.
+            TypeError: ``threads`` is not an int (a bool or 2.0 included), or ``requests`` is
+                one request (a mapping or text) instead of several.
             RequestError / TemplateError: the first failed request's error (unless
                 ``return_exceptions``).
 
         ``timeout`` is each request's budget, as for :meth:`apply_template`.
         """
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an int >= 1, not {threads!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int):
+            raise TypeError(f"threads must be an int, not {type(threads).__name__}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, not {threads!r}")
         if isinstance(requests, (Mapping, str, bytes)):
             raise TypeError("requests must be an iterable of requests (e.g. a list of dicts), not one request")
         items = list(requests)

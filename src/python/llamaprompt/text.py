@@ -40,6 +40,10 @@ def fspath(path: Any) -> str:
     return p
 
 
+# json.dumps with keyword arguments builds a new encoder per call; this one is built once
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+
+
 def request_body(request: Request) -> bytes:
     """The body llama.cpp parses: JSON text as given (its parser judges it, as llama-server's),
     or a mapping as JSON. Raises RequestError (400) for NaN/Infinity or nesting too deep for
@@ -51,7 +55,7 @@ def request_body(request: Request) -> bytes:
     if not isinstance(request, Mapping):
         raise TypeError(f"request must be a mapping or JSON text, not {type(request).__name__}")
     try:
-        text = json.dumps(dict(request), ensure_ascii=False, allow_nan=False)
+        text = _ENCODER.encode(request if type(request) is dict else dict(request))
     except ValueError as e:  # NaN/Infinity: not JSON, llama-server could never receive it
         raise RequestError(f"request is not valid JSON: {e}", 400) from None
     except RecursionError:
