@@ -13,6 +13,7 @@ noise; the model is for timing llama-server's request handling (`llamaprompt ben
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -49,11 +50,15 @@ def default_vocab() -> Path:
 def write_tiny_model(out: Path, vocab: Path, seed: int = 0) -> Path:
     """Copy ``vocab``'s metadata (tokenizer, template if any) into ``out`` with tiny llama
     hyperparameters and random F32 weights. Returns ``out``. Raises ValueError when ``vocab``
-    is not a llama-architecture GGUF."""
+    is not a llama-architecture GGUF (or not a GGUF file: the gguf package's reader says why),
+    OSError when a file cannot be read or written."""
     import gguf
 
-    reader = gguf.GGUFReader(str(vocab))
-    arch = reader.fields["general.architecture"].contents()
+    try:
+        reader = gguf.GGUFReader(str(vocab))
+        arch = reader.fields["general.architecture"].contents()
+    except (ValueError, KeyError, IndexError) as e:  # what the reader raises for a bad file
+        raise ValueError(f"{vocab}: not a readable GGUF vocab file ({e})") from None
     if arch != "llama":
         raise ValueError(f"{vocab}: architecture {arch!r}, expected 'llama'")
     writer = gguf.GGUFWriter(str(out), arch=arch)
@@ -104,7 +109,19 @@ def main() -> None:
         help="a llama-architecture vocab GGUF (default: the pinned tree's llama-spm)",
     )
     args = ap.parse_args()
-    out = write_tiny_model(args.out, args.vocab or default_vocab())
+    if args.out.is_dir() or not os.access(args.out.parent.resolve(), os.W_OK):
+        ap.error(f"{args.out}: cannot write a file there")
+    try:
+        vocab = args.vocab or default_vocab()
+        if not vocab.is_file():
+            ap.error(f"{vocab}: no such file")
+        out = write_tiny_model(args.out, vocab)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    except ValueError as e:  # not a GGUF file, a truncated one, another architecture
+        ap.error(str(e))
+    except OSError as e:
+        ap.error(f"{e.filename or args.out}: {e.strerror or e}")
     print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB")
 
 

@@ -15,11 +15,12 @@ and per request POST /apply-template's status and prompt against ``apply_templat
 or the status of the error it raised (RequestError 400, TemplateError 500); bytes that are
 not UTF-8 compared as the server's JSON carries them (U+FFFD). A request where
 llamaprompt's time or stack budget fired (the server has neither) is counted and not
-compared; where the server dies (a runaway recursion overflows its stack: at start, in its
-template analysis, or on a request, which ends that template's run) it is listed with
-llamaprompt's outcome; a template the server is still
+compared; where the server dies (a runaway recursion overflows its stack, or memory runs out:
+it runs with an 8 GiB address space; at start, in its template analysis, or on a request, which
+ends that template's run) it is listed with llamaprompt's outcome; a template the server is still
 loading after ``--startup-timeout`` seconds (its analysis renders run without a time budget)
-is listed and not compared. Only differences fail the run.
+is listed and not compared. Differences fail the run (exit 1), as does a run that compared no
+request; a server or model that cannot serve a pinned template at all stops it first (exit 2).
 Exit status: 0 when nothing differs.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +43,9 @@ import tiny_model  # noqa: E402
 import engine_differential  # noqa: E402
 
 BUDGET_MARKS = engine_differential.BUDGET_MARKS  # llamaprompt's time and stack budgets
+# the server's address space: some fuzz mutants make it allocate without end (23 GB seen, then
+# the out-of-memory killer), which llamaprompt's size budget stops at 64 MiB
+SERVER_MEMORY = 8 << 30
 
 
 def _ours(template: Any, body: bytes) -> tuple[int, str | None, bool]:
@@ -66,6 +71,30 @@ def _theirs(server: Any, body: bytes) -> tuple[int, str | None]:
     return status, prompt
 
 
+class SetupError(Exception):
+    """The server, the model or the core cannot run the cases at all (nothing compared)."""
+
+
+def preflight(binary: str, model: Path, llama_cpp: str | None, startup_timeout: float) -> None:
+    """Both sides must load the model with a pinned template, else every template would count
+    as "refused by both" (or as a difference): raises SetupError with the reason."""
+    import llamaprompt
+    from llamaprompt import bench
+
+    path = llamaprompt.pinned_template()
+    try:
+        llamaprompt.ChatTemplate.from_gguf(model, chat_template=path.read_bytes(), llama_cpp=llama_cpp)
+    except (llamaprompt.Error, OSError) as e:
+        raise SetupError(f"llamaprompt cannot load {model} with {path.name}: {e}") from None
+    try:
+        with bench.LlamaServerProcess(
+            binary, str(model), path, startup_timeout=startup_timeout, max_memory=SERVER_MEMORY
+        ):
+            pass
+    except (RuntimeError, OSError) as e:
+        raise SetupError(f"{binary} does not serve {path.name} with {model}: {e}") from None
+
+
 def compare(
     binary: str,
     n_requests: int,
@@ -75,6 +104,7 @@ def compare(
     llama_cpp: str | None = None,
 ) -> dict[str, Any]:
     """Run every case against ``binary`` and count templates, requests, differences (named).
+    Raises SetupError when the server or llamaprompt cannot load the model at all.
     ``llama_cpp``: the llama.cpp core llamaprompt renders with (``ChatTemplate(llama_cpp=)``;
     default the built-in one): the server must be built from that core's tree."""
     import llamaprompt
@@ -88,6 +118,7 @@ def compare(
         tmp = Path(tmp_dir)
         if model is None:
             model = tiny_model.write_tiny_model(tmp / "tiny.gguf", tiny_model.default_vocab())
+        preflight(binary, model, llama_cpp, startup_timeout)
         for name, source, cases in engine_differential.cases(n_requests, n_mutants):
             templates += 1
             print(f"[{templates}] {name}", file=sys.stderr, flush=True)
@@ -100,7 +131,9 @@ def compare(
             except llamaprompt.Error as e:
                 ours = e
             try:
-                with bench.LlamaServerProcess(binary, str(model), path, startup_timeout=startup_timeout) as url:
+                with bench.LlamaServerProcess(
+                    binary, str(model), path, startup_timeout=startup_timeout, max_memory=SERVER_MEMORY
+                ) as url:
                     server = bench.ServerPeer(url)
                     if isinstance(ours, Exception):
                         differences.append(f"{name}: llama-server loads it, llamaprompt raised {ours!r}")
@@ -126,7 +159,8 @@ def compare(
                 if e.status < 0:  # killed by a signal (a runaway recursion overflows its stack)
                     crashed.append(f"{name}: at start (signal {-e.status}): llamaprompt " + _loaded(ours))
                 elif not isinstance(ours, Exception):  # it refused the template, llamaprompt did not
-                    differences.append(f"{name}: llama-server exits at start, llamaprompt loads it")
+                    last = str(e).splitlines()[-1].strip() if "\n" in str(e) else ""
+                    differences.append(f"{name}: llama-server exits at start ({last}), llamaprompt loads it")
                 else:
                     refused += 1
             except TimeoutError:  # e.g. a template analysis that runs for minutes (no budget there)
@@ -145,22 +179,45 @@ def compare(
     }
 
 
+def count(text: str) -> int:
+    """A count >= 0 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("llama_server", help="a llama-server binary of the tree llamaprompt was built from")
     ap.add_argument("--model", type=Path, help="the GGUF to start it with (default: a tiny model, written here)")
-    ap.add_argument("--requests", type=engine_differential._count, default=200, help="generated requests (200)")
-    ap.add_argument("--mutants", type=engine_differential._count, default=300, help="fuzz-corpus templates (300)")
+    ap.add_argument("--requests", type=count, default=200, help="generated requests (200)")
+    ap.add_argument("--mutants", type=count, default=300, help="fuzz-corpus templates (300)")
     ap.add_argument("--startup-timeout", type=float, default=60.0, help="seconds a server may take to start (60)")
     ap.add_argument("--llama-cpp", help="render with this installed core (a llama.cpp version: `llamaprompt cores`)")
     ap.add_argument("--json", type=Path, help="write the counts here")
     args = ap.parse_args(argv)
-    result = compare(args.llama_server, args.requests, args.mutants, args.model, args.startup_timeout, args.llama_cpp)
+    if not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
+        ap.error(f"{args.llama_server}: not an executable file")
+    if args.model is not None and not args.model.is_file():
+        ap.error(f"{args.model}: no such file")
+    if args.json is not None and not os.access(args.json.parent.resolve(), os.W_OK):
+        ap.error(f"{args.json}: its folder is not writable")
+    try:
+        result = compare(
+            args.llama_server, args.requests, args.mutants, args.model, args.startup_timeout, args.llama_cpp
+        )
+    except SetupError as e:
+        print(f"server_differential: {e}", file=sys.stderr)
+        return 2
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
-    return 1 if result["differences"] else 0
+    return 1 if result["differences"] or not result["requests_compared"] else 0
 
 
 if __name__ == "__main__":

@@ -235,6 +235,16 @@ def test_llama_server_that_exits_at_start(tmp_path):
         server.__enter__()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is enforced on Linux")
+def test_llama_server_memory_cap(tmp_path):
+    # a server that allocates without end meets its address-space cap, not the OOM killer
+    binary = _fake_server(tmp_path, "print('allocating', flush=True)\nbuf = bytearray(4 << 30)\ntime.sleep(60)")
+    server = bench.LlamaServerProcess(binary, "m.gguf", tmp_path / "t.jinja", startup_timeout=20, max_memory=1 << 30)
+    with pytest.raises(bench.ServerExited, match=r"exited with status 1 at start(.|\n)*MemoryError") as e:
+        server.__enter__()
+    assert e.value.status == 1
+
+
 def test_llama_server_still_starting(tmp_path):
     binary = _fake_server(tmp_path, "print('analyzing the template', flush=True)\ntime.sleep(60)")
     server = bench.LlamaServerProcess(binary, "m.gguf", tmp_path / "t.jinja", startup_timeout=0.5)
@@ -304,3 +314,63 @@ def test_server_peer_reopens_a_connection_the_server_closed():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_llama_server_group_is_stopped(tmp_path):
+    # a wrapper that starts the real server as its child: stopping the wrapper stops the child too
+    pid_file = tmp_path / "child.pid"
+    binary = _fake_server(
+        tmp_path,
+        "import subprocess\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "child.wait()",
+    )
+    server = bench.LlamaServerProcess(binary, "m.gguf", tmp_path / "t.jinja", startup_timeout=1.5)
+    with pytest.raises(TimeoutError):
+        server.__enter__()
+    child = int(pid_file.read_text())
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        pytest.fail("the wrapper's child outlived it")
+
+
+def test_bench_goes_on_without_a_llama_server_that_fails(tmp_path):
+    binary = _fake_server(tmp_path, "print('error: failed to load model', flush=True)\nsys.exit(1)")
+    with pytest.warns(UserWarning, match="could not serve it, benchmarked without it(.|\n)*failed to load model"):
+        report = bench.run_bench(
+            [template_path(QWEN3)],
+            {"plain": {"messages": [{"role": "user", "content": "hi"}]}},
+            min_time=0,
+            peers={"server"},
+            llama_server=(binary, "m.gguf"),
+            memory=0,
+            progress=False,
+        )
+    (row,) = report["templates"]
+    assert "failed to load model" in row["server_error"] and row["renders_per_s"]["llamaprompt"] > 0
+    assert "server" not in row["ratios"]
+
+
+def test_server_differential_refuses_a_setup_that_cannot_serve(tmp_path, tiny_gguf):
+    # a run where neither side can load the model must not pass as "refused by both"
+    import server_differential
+
+    tiny, _ = tiny_gguf
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + b"\0" * 64)
+    exits = _fake_server(tmp_path, "print('error: failed to load model', flush=True)\nsys.exit(1)")
+    with pytest.raises(server_differential.SetupError, match="llamaprompt cannot load"):
+        server_differential.preflight(exits, garbage, None, 10)
+    with pytest.raises(server_differential.SetupError, match="does not serve(.|\n)*failed to load model"):
+        server_differential.preflight(exits, tiny, None, 10)
+    assert server_differential.main([exits, "--model", str(tiny), "--requests", "0", "--mutants", "0"]) == 2

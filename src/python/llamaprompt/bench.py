@@ -44,6 +44,7 @@ import datetime as _dt
 import http.client
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -188,7 +189,7 @@ class ServerPeer:
     def __init__(self, url: str, timeout: float = 30.0) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"--server-url must be http://HOST:PORT, not {url!r}")
+            raise ValueError(f"the server URL must be http://HOST:PORT, not {url!r}")
         self.url = url
         self._prefix = parts.path.rstrip("/")
         self._conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
@@ -246,15 +247,27 @@ class LlamaServerProcess:
     loopback port; a context manager whose value is the server's URL. Any GGUF model works
     for /apply-template (llama-server loads its weights, so a small one starts fastest).
 
-    Raises OSError when the binary cannot be started, ServerExited (a RuntimeError) when the
-    server exits before it answers GET /health (e.g. it refuses the template), TimeoutError
-    when it is still starting after ``startup_timeout`` seconds; both messages end with the
-    server's last lines of output.
+    Raises ServerExited (a RuntimeError) when the server exits before it answers GET /health
+    (e.g. it refuses the template or the model), TimeoutError (an OSError) when it is still
+    starting after ``startup_timeout`` seconds -- both messages end with the server's last lines
+    of output -- and another OSError when the binary cannot be started. The server runs in a
+    process group of its own, which is stopped as a whole (a wrapper script's children too).
+    ``max_memory`` (bytes) caps the server's address space (RLIMIT_AS; POSIX only): a template
+    that makes it allocate without end then ends it with an allocation failure instead of the
+    machine's out-of-memory killer.
     """
 
-    def __init__(self, binary: str, model: str, template: str | os.PathLike, startup_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        binary: str,
+        model: str,
+        template: str | os.PathLike,
+        startup_timeout: float = 60.0,
+        max_memory: int | None = None,
+    ) -> None:
         self.binary, self.model, self.template = binary, model, str(template)
         self.startup_timeout = startup_timeout
+        self.max_memory = max_memory
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
@@ -282,7 +295,18 @@ class LlamaServerProcess:
             "1",
             "--no-webui",
         ]
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        limit = None
+        cap = self.max_memory
+        if cap is not None:  # its address space (POSIX RLIMIT_AS), set in the child
+
+            def limit() -> None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+        self._proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=limit, start_new_session=os.name == "posix"
+        )
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -306,15 +330,26 @@ class LlamaServerProcess:
             )
         raise ServerExited(status, f"llama-server exited with status {status} at start: {' '.join(cmd)}{self._tail}")
 
+    def _signal(self, sig: int) -> None:
+        assert self._proc is not None
+        if os.name == "posix":
+            with contextlib.suppress(OSError):
+                os.killpg(self._proc.pid, sig)
+        else:
+            self._proc.send_signal(sig)
+
     def __exit__(self, *exc: Any) -> None:
         self._tail = ""
         if self._proc is not None:
-            self._proc.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
+                self._signal(signal.SIGKILL if os.name == "posix" else signal.SIGTERM)
                 self._proc.wait()
+            if os.name == "posix":  # what the group still holds (a wrapper script's server)
+                with contextlib.suppress(OSError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc = None
         log = getattr(self, "_log", None)
         if log is not None:
@@ -602,7 +637,13 @@ def run_bench(
         except Error as e:
             results.append({"template": path.name, "error": e.message})
         except (RuntimeError, TimeoutError) as e:  # llama-server could not serve this template
-            results.append({"template": path.name, "error": str(e)})
+            import warnings
+
+            warnings.warn(f"{path.name}: llama-server could not serve it, benchmarked without it: {e}", stacklevel=2)
+            try:
+                results.append({**one(path, None), "server_error": str(e)})
+            except Error as err:
+                results.append({"template": path.name, "error": err.message, "server_error": str(e)})
     if server is not None:
         server.close()
     ok = [r for r in results if "error" not in r]

@@ -700,7 +700,8 @@ class ChatTemplate:
                 except (Error, TypeError, ValueError) as e:  # this request's own problem
                     bodies.append(e)
             to_render = [b for b in bodies if isinstance(b, bytes)]
-            rendered = iter(self._core.apply_template_many(to_render, threads, call_timeout(timeout)))
+            n = min(threads, max(1, len(to_render)))  # more threads than requests would wait idle
+            rendered = iter(self._core.apply_template_many(to_render, n, call_timeout(timeout)))
             results = [next(rendered) if isinstance(b, bytes) else b for b in bodies]
         if not return_exceptions:
             for r in results:
