@@ -14,7 +14,7 @@ does not start against a ChatTemplate that raises), GET /props' ``chat_template_
 and per request POST /apply-template's status and prompt against ``apply_template``'s prompt
 or the status of the error it raised (RequestError 400, TemplateError 500); bytes that are
 not UTF-8 compared as the server's JSON carries them (U+FFFD). A request where
-llamaprompt's time or stack budget fired (the server has neither) is counted and not
+llamaprompt's time, stack or size budget fired (the server has none) is counted and not
 compared; where the server dies (a runaway recursion overflows its stack, or memory runs out:
 it runs with an 8 GiB address space; at start, in its template analysis, or on a request, which
 ends that template's run) it is listed with llamaprompt's outcome; a template the server is still
@@ -42,14 +42,16 @@ import tiny_model  # noqa: E402
 
 import engine_differential  # noqa: E402
 
-BUDGET_MARKS = engine_differential.BUDGET_MARKS  # llamaprompt's time and stack budgets
+# llamaprompt's time, stack and size budgets: llama-server has none (where one fires, the server
+# runs on, allocates until its address-space cap, or crashes), so those requests are not compared
+BUDGET_MARKS = (*engine_differential.BUDGET_MARKS, engine_differential.SIZE_MARK)
 # the server's address space: some fuzz mutants make it allocate without end (23 GB seen, then
 # the out-of-memory killer), which llamaprompt's size budget stops at 64 MiB
 SERVER_MEMORY = 8 << 30
 
 
 def _ours(template: Any, body: bytes) -> tuple[int, str | None, bool]:
-    """(status, prompt, whether a time or stack budget stopped it) for apply_template; the
+    """(status, prompt, whether a time, stack or size budget stopped it) for apply_template; the
     prompt as llama-server's JSON answer carries it (bytes that are not UTF-8 -- a template can
     print them -- become U+FFFD there; apply_template keeps them as surrogate escapes)."""
     import llamaprompt
