@@ -331,8 +331,12 @@ def compare(reference: Path, n_requests: int, n_mutants: int) -> dict[str, Any]:
     }
 
 
-def _count(text: str) -> int:
-    n = int(text)
+def count(text: str) -> int:
+    """A count >= 0 (an argparse type; its name is argparse's "invalid count value")."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if n < 0:
         raise argparse.ArgumentTypeError("must be >= 0")
     return n
@@ -356,8 +360,8 @@ def check_reference(reference: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reference", type=Path, help="_core module built with LLAMAPROMPT_ENGINE_REWRITES=OFF")
-    ap.add_argument("--requests", type=_count, default=200, help="generated requests per pinned template (200)")
-    ap.add_argument("--mutants", type=_count, default=300, help="fuzz-corpus templates (300)")
+    ap.add_argument("--requests", type=count, default=200, help="generated requests per pinned template (200)")
+    ap.add_argument("--mutants", type=count, default=300, help="fuzz-corpus templates (300)")
     ap.add_argument("--json", type=Path, help="write the counts here")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

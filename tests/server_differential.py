@@ -181,23 +181,12 @@ def compare(
     }
 
 
-def count(text: str) -> int:
-    """A count >= 0 (argparse type)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return n
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("llama_server", help="a llama-server binary of the tree llamaprompt was built from")
     ap.add_argument("--model", type=Path, help="the GGUF to start it with (default: a tiny model, written here)")
-    ap.add_argument("--requests", type=count, default=200, help="generated requests (200)")
-    ap.add_argument("--mutants", type=count, default=300, help="fuzz-corpus templates (300)")
+    ap.add_argument("--requests", type=engine_differential.count, default=200, help="generated requests (200)")
+    ap.add_argument("--mutants", type=engine_differential.count, default=300, help="fuzz-corpus templates (300)")
     ap.add_argument("--startup-timeout", type=float, default=60.0, help="seconds a server may take to start (60)")
     ap.add_argument("--llama-cpp", help="render with this installed core (a llama.cpp version: `llamaprompt cores`)")
     ap.add_argument("--json", type=Path, help="write the counts here")
