@@ -250,27 +250,86 @@ def test_a_tree_without_handler_files_has_no_stop_points(tree, tmp_path):
 
 def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
     tree = handler_tree
-    # facts from reading common/parsers/*.cpp: gemma4 appends to the prompt when it ends with
-    # "<turn|>\n" (outside a continuation), ling3 and minimax-m3 read the generation prompt
-    # after it is computed; every other handler's code after its prompt reads only
-    # non-message inputs
+    # facts from reading common/parsers/*.cpp: ling3 and minimax-m3 read the generation prompt
+    # after it is computed; gemma4 appends "<|turn>model\n" to a prompt that ends with
+    # "<turn|>\n", in an if block right after the generation prompt (a prompt fix-up: it
+    # stops after a copy of that block); every other handler's code after its prompt reads
+    # only non-message inputs
     assert _run(tree, tmp_path).returncode == 0
     verdicts = _info(tmp_path)["prompt_only_handlers"]
     excluded = {n for n, v in verdicts.items() if v != "prompt-only"}
-    assert excluded == {
-        "common_chat_params_init_gemma4",
-        "common_chat_params_init_ling3",
-        "common_chat_params_init_minimax_m3",
-    }
-    assert "reads or changes the prompt" in verdicts["common_chat_params_init_gemma4"]
+    assert excluded == {"common_chat_params_init_ling3", "common_chat_params_init_minimax_m3"}
+    assert "reads the generation prompt" in verdicts["common_chat_params_init_ling3"]
     copy = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").read_text()
     # the stop point, on the generation prompt's own line (line numbers kept by #line 1)
     assert copy.splitlines()[1] == "#line 1"
     original = (tree / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()
     stop = [i for i, x in enumerate(copy.splitlines()[2:]) if "llamaprompt_prompt_ready(data.prompt, __func__);" in x]
     assert len(stop) == 1 and "data.generation_prompt" in original[stop[0]]
+    ling3 = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "ling3.cpp").read_text()
+    assert "llamaprompt_prompt_ready(" not in ling3  # its copy has the render reuse only
+    # gemma4's copy: on the generation prompt's line, the fix-up block's copy (comments removed,
+    # literals kept) then the stop, when armed; the rest of the file as it was
     gemma4 = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "gemma4.cpp").read_text()
-    assert "llamaprompt_prompt_ready(" not in gemma4  # its copy has the render reuse only
+    original = (tree / "common" / "parsers" / "gemma4.cpp").read_text().splitlines()
+    lines = gemma4.splitlines()[2:]
+    assert len(lines) == len(original)
+    changed = [i for i, (a, b) in enumerate(zip(original, lines)) if a != b and "llamaprompt_prompt_stop" in b]
+    assert len(changed) == 1
+    line = lines[changed[0]]
+    assert line.endswith(original[changed[0]].lstrip())
+    assert "data.generation_prompt = common_chat_template_generation" in line
+    assert line.startswith(
+        "    if (llamaprompt_prompt_stop_armed(__func__)) { if (inputs.add_generation_prompt && "
+        'string_ends_with(data.prompt, "<turn|>\\n")) { data.generation_prompt = "<|turn>model\\n"; '
+        "data.prompt += data.generation_prompt; } llamaprompt_prompt_stop(data.prompt); } "
+    )
+    assert "llamaprompt_prompt_ready(" not in gemma4
+
+
+# edits of gemma4's prompt fix-up block (after its generation prompt) as upstream might write
+# it; whether the probe must keep the prompt-only path
+GEMMA4 = "common/parsers/gemma4.cpp"
+GEMMA4_GEN = "    data.generation_prompt = common_chat_template_generation_prompt_impl(tmpl, inputs);\n"
+GEMMA4_COND = '    if (inputs.add_generation_prompt && string_ends_with(data.prompt, "<turn|>\\n")) {\n'
+GEMMA4_BODY = '        data.generation_prompt = "<|turn>model\\n";\n        data.prompt += data.generation_prompt;\n'
+FIXUP_EDITS = [
+    # (kept prompt-only?, old, new, the reason given when not)
+    (True, GEMMA4_BODY, GEMMA4_BODY + '        data.prompt += "\\n" "x";\n', None),
+    (True, GEMMA4_COND, GEMMA4_COND.replace("&&", "&& inputs.enable_thinking &&"), None),
+    (False, GEMMA4_COND, GEMMA4_COND.replace("data.prompt", "data.generation_prompt"), "condition reads more"),
+    (False, GEMMA4_COND, GEMMA4_COND.replace("string_ends_with", "ends_with_turn"), "condition reads more"),
+    (False, GEMMA4_COND, GEMMA4_COND.replace("inputs.add_generation_prompt", "inputs.messages.empty()"),
+     "condition reads more"),
+    (False, GEMMA4_COND, GEMMA4_COND.replace("&&", "&& (n = 1) &&"), "condition reads more"),
+    (False, GEMMA4_BODY, '        data.prompt += data.generation_prompt;\n' + GEMMA4_BODY, "does more than append"),
+    (False, GEMMA4_BODY, GEMMA4_BODY + "        data.prompt += inputs.messages.dump();\n", "does more than append"),
+    (False, GEMMA4_BODY, GEMMA4_BODY + '        data.generation_prompt = u8"x";\n', "does more than append"),
+    (False, GEMMA4_BODY, GEMMA4_BODY + "        log_prompt(data.prompt);\n", "does more than append"),
+    (False, GEMMA4_BODY + "    }\n", GEMMA4_BODY + '    } else {\n        data.prompt += "x";\n    }\n', "else branch"),
+    (False, GEMMA4_GEN, GEMMA4_GEN.replace("(tmpl, inputs)", "(tmpl, inputs, data.prompt)"), "render alone"),
+    (False, GEMMA4_GEN, GEMMA4_GEN + '    data.prompt += "x";\n', "reads or changes the prompt"),
+    # after the block: the rules of every stop point
+    (False, "    data.message_delimiters = {\n", '    data.prompt += "x";\n    data.message_delimiters = {\n',
+     "reads or changes the prompt"),
+    (False, "    data.message_delimiters = {\n",
+     "    auto n = inputs.messages.size();\n    data.message_delimiters = {\n", "reads the messages"),
+]
+
+
+@pytest.mark.parametrize(("kept", "old", "new", "reason"), FIXUP_EDITS)
+def test_handler_probe_on_edited_prompt_fixups(handler_tree, tmp_path, kept, old, new, reason):
+    path = handler_tree / GEMMA4
+    if old not in path.read_text():
+        pytest.skip("this tree's gemma4 handler is written another way")
+    _edit(path, old, new)
+    assert _run(handler_tree, tmp_path).returncode == 0
+    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_gemma4"]
+    assert (verdict == "prompt-only") == kept, verdict
+    if reason:
+        assert reason in verdict, verdict
+    copy = tmp_path / "out" / "generated" / "mirror" / GEMMA4  # no copy: a file with no edit at all
+    assert (copy.exists() and "llamaprompt_prompt_stop(data.prompt)" in copy.read_text()) == kept
 
 
 # edits of a handler (Qwen3-Coder's) as upstream might write it: before its prompt, after its

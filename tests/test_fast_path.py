@@ -100,7 +100,8 @@ def test_fast_path_changes_nothing(file, variant, name):
 
 def test_fast_path_covers_the_specialized_handlers():
     """Which pinned templates take the prompt-only path: every autoparser-path template,
-    and those whose specialized handler the probe proved (all but gemma4, ling3, minimax-m3)."""
+    and those whose specialized handler the probe proved (all but ling3 and minimax-m3, which
+    read the generation prompt after computing it)."""
     covered, full = [], []
     for path in pinned_templates():
         d = llamaprompt.ChatTemplate.from_file(path).describe()
@@ -113,8 +114,47 @@ def test_fast_path_covers_the_specialized_handlers():
     if not llamaprompt.tree_info()["prompt_only_handlers"]:
         return
     names = " ".join(full)
-    assert full and all(k in names for k in ("gemma-4", "ling", "MiniMax-M3")), full
-    assert not any(k in " ".join(covered) for k in ("gemma-4", "ling-3", "MiniMax-M3")), covered
+    assert full and all(k in names for k in ("ling", "MiniMax-M3")), full
+    assert not any(k in " ".join(covered) for k in ("ling-3", "MiniMax-M3")), covered
+    assert sum("gemma-4" in n for n in covered) == 2, covered  # after its prompt fix-up
+
+
+def test_the_prompt_fix_up_of_a_handler_runs_on_the_prompt_only_path():
+    """gemma4 appends "<|turn>model\\n" to a prompt that ends with "<turn|>\\n", right after its
+    generation prompt (adapt_tree.py _prompt_fixup); its prompt-only path runs a copy of that
+    block, then stops. llama-server's prompts for the interleaved Gemma 4 template (the reference
+    file) where the block fired, and where it did not, come back byte for byte from that path."""
+    verdict = llamaprompt.tree_info()["prompt_only_handlers"].get("common_chat_params_init_gemma4")
+    if verdict is None:
+        pytest.skip("this tree has no gemma4 handler file")
+    assert verdict == "prompt-only"
+    name = "google-gemma-4-31B-it-interleaved.jinja"
+    ref = load_reference("apply_template.json")
+    tok = ref["model_tokens"]
+    t = llamaprompt.ChatTemplate.from_file(
+        template_path(name), bos_token=tok["bos_token"], eos_token=tok["eos_token"], add_bos=tok["add_bos"],
+        add_eos=tok["add_eos"],
+    )
+    cases = ref["variants"][0]["templates"][name]["cases"]
+    fired = {
+        key: c["prompt"]
+        for key, c in cases.items()
+        if c["status"] == 200 and c["prompt"].endswith("<turn|>\n<|turn>model\n")
+    }
+    plain = {key: c["prompt"] for key, c in cases.items() if c["status"] == 200 and key not in fired}
+    assert len(fired) >= 5 and plain, (sorted(fired), sorted(plain))
+    served = 0
+    for key, expected in [*fired.items(), *plain.items()]:
+        request = ref["requests"][key]
+        messages = request.get("messages") or [{}]
+        if not request.get("add_generation_prompt", True) or messages[-1].get("role") == "assistant":
+            continue  # a continuation (the final assistant message is prefilled) runs the handler in full
+        t.apply_template(request)  # fills the memo for these non-message inputs
+        before = t._core.prompt_only_renders()
+        assert t.apply_template(request) == expected, key
+        served += t._core.prompt_only_renders() - before
+        assert t._core.prompt_only_renders() == before + 1, key
+    assert served >= len(fired)
 
 
 # requests the autoparser path serves from generate_parser's stop point (adapt_tree.py

@@ -1311,14 +1311,15 @@ CODE_MARK = re.compile(r"//|/\*|R\"|[\"']")  # where a comment or a literal may 
 NOT_NEWLINE = re.compile(r"[^\n]")
 
 
-def code_only(text: str) -> str:
+def code_only(text: str, keep_literals: bool = False) -> str:
     """``text`` with comments and the insides of string / character literals blanked (same
-    length, same line breaks), so that code patterns match code only."""
+    length, same line breaks), so that code patterns match code only; with ``keep_literals``,
+    only the comments."""
     out, i, n = list(text), 0, len(text)
 
-    def blank(a: int, b: int) -> None:
+    def blank(a: int, b: int, literal: bool = False) -> None:
         b = min(b, n)
-        if a < b:
+        if a < b and not (literal and keep_literals):
             out[a:b] = NOT_NEWLINE.sub(" ", text[a:b])
 
     while i < n:
@@ -1335,7 +1336,7 @@ def code_only(text: str) -> str:
         elif (raw := re.match(r'R"([^(\s]*)\(', text[i:i + 20])) is not None:
             end = text.find(")" + raw.group(1) + '"', i)
             j = n if end < 0 else end + len(raw.group(1)) + 2
-            blank(i + 1, j - 1)
+            blank(i + 1, j - 1, literal=True)
             i = j
             continue
         elif text[i] == "'" and _digit_separator(text, i):
@@ -1345,7 +1346,7 @@ def code_only(text: str) -> str:
             j = i + 1
             while j < n and text[j] != text[i]:
                 j += 2 if text[j] == "\\" else 1
-            blank(i + 1, j)
+            blank(i + 1, j, literal=True)
             i = j + 1
             continue
         else:
@@ -1462,14 +1463,75 @@ def _after_prompt_problems(after: str, messages: str, whole_inputs: str) -> list
     return problems
 
 
-def _prompt_only_problems(body: str, stop: re.Match, macros: set[str]) -> list[str]:
-    """Why the handler body cannot stop at ``stop`` (empty: it can). Conservative: text rules
-    that a handler written another way fails, never the reverse (tests/test_adapt_tree.py)."""
+# A handler may finish its prompt right after the generation prompt: gemma4 appends the model's
+# turn opener to a prompt that ends a turn. Such a block, right after the generation prompt's
+# own statement, is accepted as the prompt's last step when it is exactly
+#   if (COND) { data.generation_prompt = "..."; data.prompt += data.generation_prompt; }
+# (no else): COND reads only keyed `inputs` fields and `data.prompt`, through string_ends_with /
+# string_starts_with (common.h's, pure); the body only assigns string literals to the generation
+# prompt and appends it (after such an assignment) or literals to the prompt. It reads nothing the
+# generation prompt's render computed, so running it before that render gives the full handler's
+# prompt: the build-tree copy runs a copy of it (comments removed, one line) there when the stop
+# point is armed, then stops (FIXUP_READY); the handler's own statements run unchanged otherwise.
+GENERATION_PROMPT_RENDER = re.compile(
+    r"\s*data\s*\.\s*generation_prompt\s*=\s*common_chat_template_generation_prompt(?:_impl)?\s*\(\s*tmpl\s*,"
+    r"\s*inputs\s*\)\s*;\s*")
+FIXUP_CALLS = ("string_ends_with", "string_starts_with")
+FIXUP_STATEMENTS = (
+    re.compile(r'\s*data\s*\.\s*generation_prompt\s*=\s*(?:"[ ]*"\s*)+'),  # a literal (blanked: code_only)
+    re.compile(r"\s*data\s*\.\s*prompt\s*\+=\s*data\s*\.\s*generation_prompt\s*"),
+    re.compile(r'\s*data\s*\.\s*prompt\s*\+=\s*(?:"[ ]*"\s*)+'),
+)
+FIXUP_ARMED = "if (llamaprompt_prompt_stop_armed(__func__)) { "
+FIXUP_READY = " llamaprompt_prompt_stop(data.prompt); } "
+
+
+def _prompt_fixup(body: str, stop: re.Match) -> tuple[tuple[int, int] | None, list[str]]:
+    """((start, end) of the prompt fix-up block right after the generation prompt's statement at
+    ``stop``, or None), why it is not one (empty when it is)."""
+    head = re.compile(r"\s*if\s*\(").match(body, body.find(";", stop.end()) + 1)
+    if head is None:
+        return None, ["no prompt fix-up block follows the generation prompt"]
+    cond_end = _paren_end(body, head.end() - 1)
+    brace = re.compile(r"\s*\{").match(body, cond_end + 1) if cond_end > 0 else None
+    close = _block_end(body, brace.end() - 1) if brace else -1
+    if close < 0:
+        return None, ["the block after the generation prompt is not `if (...) { ... }`"]
+    problems = []
+    if GENERATION_PROMPT_RENDER.fullmatch(body, stop.start(), head.start()) is None:
+        problems.append("the generation prompt is not computed by its render alone")
+    if re.match(r"\s*else\b", body[close + 1:]):
+        problems.append("the fix-up block has an else branch")
+    cond = body[head.end():cond_end]
+    fields = set(re.findall(r"\binputs\s*\.\s*(\w+)", cond))
+    rest = re.sub(r"\binputs\s*\.\s*\w+|\bdata\s*\.\s*prompt\b|\b(?:" + "|".join(FIXUP_CALLS) + r")\b(?=\s*\()",
+                  " ", cond)
+    if fields - KEYED_FIELDS or not re.fullmatch(r'[\s()&|!,"]*', rest):
+        problems.append("the fix-up block's condition reads more than keyed inputs fields and the prompt's ends")
+    seen_literal = False
+    statements = body[brace.end():close].split(";")
+    if statements[-1].strip():
+        problems.append("the fix-up block's body is not a list of statements")
+    for text in statements[:-1]:
+        kind = next((k for k, pattern in enumerate(FIXUP_STATEMENTS) if pattern.fullmatch(text)), None)
+        if kind is None or (kind == 1 and not seen_literal):
+            shown = " ".join(text.split())
+            problems.append(f"the fix-up block does more than append literals to the prompt: {shown!r}")
+            break
+        seen_literal |= kind == 0
+    return (head.start(), close + 1), problems
+
+
+def _prompt_only_problems(body: str, stop: re.Match, macros: set[str],
+                          fixup: tuple[int, int] | None = None) -> list[str]:
+    """Why the handler body cannot stop at ``stop`` (empty: it can), or, with ``fixup`` (the
+    span of a prompt fix-up block), after that block. Conservative: text rules that a handler
+    written another way fails, never the reverse (tests/test_adapt_tree.py)."""
     before = body[:stop.start()]
     problems = []
     if before.count("{") != before.count("}"):
         problems.append("the generation prompt is not assigned at the function's top level")
-    end = body.find(";", stop.end())
+    end = fixup[1] - 1 if fixup else body.find(";", stop.end())
     after = body[end + 1:]
     cont = CONTINUATION_BLOCK.search(after)
     if cont:  # a continuation never takes the prompt-only path
@@ -1512,6 +1574,21 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
             body = code[open_at + 1:close]
             stop = STOP_STATEMENT.search(body)
             problems = ["no generation prompt assigned"] if stop is None else _prompt_only_problems(body, stop, macros)
+            insert = PROMPT_READY
+            if problems and stop is not None:
+                # the prompt may end with a fix-up block after the generation prompt
+                fixup, fixup_problems = _prompt_fixup(body, stop)
+                if fixup is not None and not fixup_problems:
+                    fixup_problems = _prompt_only_problems(body, stop, macros, fixup)
+                    if re.search(r"\b(?:" + "|".join(FIXUP_CALLS) + r")\s*\([^;{]*\)\s*\{", code[:open_at]):
+                        fixup_problems.append("the file defines its own " + " or ".join(FIXUP_CALLS))
+                if fixup is not None and not fixup_problems:
+                    block = code_only(text, keep_literals=True)[open_at + 1 + fixup[0]:open_at + 1 + fixup[1]]
+                    # one line (the file's line numbers stay), whitespace outside string literals collapsed
+                    block = re.sub(r'("(?:[^"\\\n]|\\.)*")|\s+', lambda m: m.group(1) or " ", block).strip()
+                    problems, insert = [], FIXUP_ARMED + block + FIXUP_READY
+                elif fixup is not None:
+                    problems.append("with its prompt fix-up block: " + "; ".join(fixup_problems))
             if problems:
                 verdicts[name] = "; ".join(problems)
                 continue
@@ -1522,7 +1599,7 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
             if text.count(old) != 1:
                 verdicts[name] = "its generation-prompt line is not unique in the file"
                 continue
-            edits.append(Edit(old, old[:at - line_start] + PROMPT_READY + old[at - line_start:]))
+            edits.append(Edit(old, old[:at - line_start] + insert + old[at - line_start:]))
             verdicts[name] = "prompt-only"
         if edits:
             rewrites.append(Rewrite(rel, f"mirror/{rel}", edits))

@@ -15,6 +15,16 @@
 
 void llamaprompt_prompt_ready(const std::string & prompt, const char * handler);
 
+// The same stop point in a handler whose prompt ends with a fix-up block after the generation
+// prompt (adapt_tree.py _prompt_fixup: gemma4 appends the model's turn opener to a prompt that
+// ends a turn). The build-tree copy puts, just before the generation prompt's line,
+//   if (llamaprompt_prompt_stop_armed(__func__)) { <a copy of the block> llamaprompt_prompt_stop(data.prompt); }
+// llamaprompt_prompt_stop_armed records the handler's name as llamaprompt_prompt_ready does and
+// says whether this call stops at the prompt; llamaprompt_prompt_stop then always ends the
+// handler with the prompt (the block's copy never runs on the full path).
+bool llamaprompt_prompt_stop_armed(const char * handler);
+[[noreturn]] void llamaprompt_prompt_stop(const std::string & prompt);
+
 // The prompt's render handed to the generation prompt (adapt_tree.py no_gen_reuse_edits, an
 // engine rewrite): declared right after `data.prompt = <render>(ARGS);` where the next statement
 // is `data.generation_prompt = <generation prompt>(ARGS);` with the same arguments. The next

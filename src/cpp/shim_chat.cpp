@@ -75,6 +75,21 @@ void llamaprompt_prompt_ready(const std::string & prompt, const char * handler) 
     }
 }
 
+bool llamaprompt_prompt_stop_armed(const char * handler) {
+    using llamaprompt::current_handler;
+    if (current_handler && handler) {
+        current_handler->stop_point = handler;
+    }
+    return current_handler && current_handler->stop_at_prompt;
+}
+
+void llamaprompt_prompt_stop(const std::string & prompt) {
+    if (llamaprompt::current_handler) {
+        llamaprompt::current_handler->stop_at_prompt = false;
+    }
+    throw llamaprompt::prompt_ready{prompt};
+}
+
 // the call of common_chat_try_specialized_template in common_chat_templates_apply_jinja.
 // The prompt-only path (as llamaprompt_generate_parser's below, for the handlers whose file
 // has a stop point): once a handler produced its params without error for these non-message
