@@ -309,6 +309,18 @@ FIXUP_EDITS = [
     (False, GEMMA4_BODY + "    }\n", GEMMA4_BODY + '    } else {\n        data.prompt += "x";\n    }\n', "else branch"),
     (False, GEMMA4_GEN, GEMMA4_GEN.replace("(tmpl, inputs)", "(tmpl, inputs, data.prompt)"), "render alone"),
     (False, GEMMA4_GEN, GEMMA4_GEN + '    data.prompt += "x";\n', "reads or changes the prompt"),
+    (False, GEMMA4_COND, GEMMA4_COND.replace("(data.prompt", "(&data.prompt"), "condition reads more"),
+    (False, "common_chat_params common_chat_params_init_gemma4(",
+     "bool string_ends_with(const std::string * s, const char * x);\n"
+     "common_chat_params common_chat_params_init_gemma4(", "names string_ends_with"),
+    # text the rules cannot read as the compiler does: a comment's line continuation hides the append
+    # from the compiler, not from the copy; #if 0 hides code and braces; goto jumps past the rules
+    (False, GEMMA4_BODY, GEMMA4_BODY + '        // a note \\\n        data.prompt += "X";\n', "line continuation"),
+    (False, GEMMA4_BODY + "    }\n", GEMMA4_BODY + "    }\n#if 0\n    {\n#endif\n", "preprocessor lines"),
+    (False, GEMMA4_BODY, GEMMA4_BODY + "        goto done;\n", "goto"),
+    # before the stop: an alias of the prompt made by an initializer or a call
+    (False, GEMMA4_GEN, "    std::string & alias{data.prompt};\n" + GEMMA4_GEN, "a call or an initializer"),
+    (False, GEMMA4_GEN, "    auto * alias = std::addressof(data.prompt);\n" + GEMMA4_GEN, "a call or an initializer"),
     # after the block: the rules of every stop point
     (False, "    data.message_delimiters = {\n", '    data.prompt += "x";\n    data.message_delimiters = {\n',
      "reads or changes the prompt"),

@@ -1504,9 +1504,9 @@ def _prompt_fixup(body: str, stop: re.Match) -> tuple[tuple[int, int] | None, li
         problems.append("the fix-up block has an else branch")
     cond = body[head.end():cond_end]
     fields = set(re.findall(r"\binputs\s*\.\s*(\w+)", cond))
-    rest = re.sub(r"\binputs\s*\.\s*\w+|\bdata\s*\.\s*prompt\b|\b(?:" + "|".join(FIXUP_CALLS) + r")\b(?=\s*\()",
+    rest = re.sub(r"\binputs\s*\.\s*\w+|\bdata\s*\.\s*prompt\b|\b(?:" + "|".join(FIXUP_CALLS) + r")\b(?=\s*\()|&&|\|\|",
                   " ", cond)
-    if fields - KEYED_FIELDS or not re.fullmatch(r'[\s()&|!,"]*', rest):
+    if fields - KEYED_FIELDS or not re.fullmatch(r'[\s()!,"]*', rest):
         problems.append("the fix-up block's condition reads more than keyed inputs fields and the prompt's ends")
     seen_literal = False
     statements = body[brace.end():close].split(";")
@@ -1520,6 +1520,21 @@ def _prompt_fixup(body: str, stop: re.Match) -> tuple[tuple[int, int] | None, li
             break
         seen_literal |= kind == 0
     return (head.start(), close + 1), problems
+
+
+def _text_problems(raw: str, code: str) -> list[str]:
+    """What a handler's body (``raw``, and ``code``: comments and literals blanked) must not use
+    for the probe's text rules to read it as the compiler does: line continuations (they join
+    a comment, a literal or a name with the next line), preprocessor lines (``#if 0`` hides code
+    and braces, ``#include`` brings code in) and ``goto`` (it jumps past the rules' blocks)."""
+    problems = []
+    if re.search(r"\\[ \t]*\r?\n", raw):
+        problems.append("it uses a line continuation")
+    if re.search(r"^[ \t]*#", code, re.MULTILINE):
+        problems.append("it has preprocessor lines")
+    if re.search(r"\bgoto\b", code):
+        problems.append("it uses goto")
+    return problems
 
 
 def _prompt_only_problems(body: str, stop: re.Match, macros: set[str],
@@ -1543,6 +1558,8 @@ def _prompt_only_problems(body: str, stop: re.Match, macros: set[str],
     # aliases made before the prompt: of the result, of the inputs, captured by a lambda
     if re.search(r"&\s*data\b|=\s*data\b(?!\s*\.)|=\s*&?\s*data\s*\.\s*(prompt|generation_prompt)\b", before):
         problems.append("before the prompt, it takes a reference or pointer to its result")
+    if re.search(r"[({,]\s*[&*]?\s*data\b", before):  # std::addressof(data.prompt), T & r{data.prompt}
+        problems.append("before the prompt, it passes its result or a part of it to a call or an initializer")
     if re.search(r"\binputs\b(?!\s*\.)", _without_calls(before, RENDERS)):
         problems.append("before the prompt, it passes the whole inputs to something other than a render")
     if re.search(r"\[\s*(?:[&=]|this\b|\w+\s*[,\]])", before):
@@ -1574,14 +1591,19 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
             body = code[open_at + 1:close]
             stop = STOP_STATEMENT.search(body)
             problems = ["no generation prompt assigned"] if stop is None else _prompt_only_problems(body, stop, macros)
+            text_problems = _text_problems(text[open_at + 1:close], body)
+            if text_problems:
+                verdicts[name] = "; ".join(text_problems)
+                continue
             insert = PROMPT_READY
             if problems and stop is not None:
                 # the prompt may end with a fix-up block after the generation prompt
                 fixup, fixup_problems = _prompt_fixup(body, stop)
                 if fixup is not None and not fixup_problems:
                     fixup_problems = _prompt_only_problems(body, stop, macros, fixup)
-                    if re.search(r"\b(?:" + "|".join(FIXUP_CALLS) + r")\s*\([^;{]*\)\s*\{", code[:open_at]):
-                        fixup_problems.append("the file defines its own " + " or ".join(FIXUP_CALLS))
+                    # common.h's functions, not an overload or a definition of the file's own
+                    if re.search(r"\b(?:" + "|".join(FIXUP_CALLS) + r")\b", code[:open_at] + code[close:]):
+                        fixup_problems.append("the file names " + " or ".join(FIXUP_CALLS) + " outside the handler")
                 if fixup is not None and not fixup_problems:
                     block = code_only(text, keep_literals=True)[open_at + 1 + fixup[0]:open_at + 1 + fixup[1]]
                     # one line (the file's line numbers stay), whitespace outside string literals collapsed
