@@ -94,13 +94,15 @@ def load_reference(name: str) -> dict:
     return data
 
 
-def reference_cases(collect):
-    """pytest params from ``collect()`` (which calls load_reference): an empty list when the
-    fixtures are absent and not required; a collection failure when required and absent or empty."""
+def reference_cases(collect, arity: int = 1):
+    """pytest params from ``collect()`` (which calls load_reference) for a parametrize of
+    ``arity`` names: when the fixtures are absent and not required, one skipped case that says
+    why (an empty list would show only pytest's "got empty parameter set"); a collection
+    failure when required and absent or empty."""
     try:
         params = list(collect())
-    except pytest.skip.Exception:
-        return []
+    except pytest.skip.Exception as e:
+        return [pytest.param(*[None] * arity, marks=pytest.mark.skip(reason=str(e.msg)), id="no-reference")]
     if not params and reference_required():
         pytest.fail("the reference fixtures yielded no test cases", pytrace=False)
     return params

@@ -58,7 +58,7 @@ def _prompt(t, request):
         return _prompt_outcome(e)
 
 
-@pytest.mark.parametrize(("file", "variant", "name"), reference_cases(_collect))
+@pytest.mark.parametrize(("file", "variant", "name"), reference_cases(_collect, 3))
 def test_fast_path_changes_nothing(file, variant, name):
     ref = load_reference(file)
     tok = ref["model_tokens"]

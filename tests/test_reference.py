@@ -40,7 +40,7 @@ def _template(fname: str, vi: int, tname: str) -> llamaprompt.ChatTemplate:
     return _loaded[key]
 
 
-@pytest.mark.parametrize(("fname", "vi", "tname"), reference_cases(_collect))
+@pytest.mark.parametrize(("fname", "vi", "tname"), reference_cases(_collect, 3))
 def test_reference_template(fname, vi, tname):
     ref = load_reference(fname)
     expected = ref["variants"][vi]["templates"][tname]

@@ -70,7 +70,7 @@ def _reproduces(out: str, inputs: dict, want: str) -> bool:
     return out == want if inputs["prompt_match"] == "exact" else want.startswith(out)
 
 
-@pytest.mark.parametrize(("fname", "vi", "name"), reference_cases(_collect))
+@pytest.mark.parametrize(("fname", "vi", "name"), reference_cases(_collect, 3))
 def test_llama_cpp_engine_on_the_captured_context_is_the_servers_prompt(fname, vi, name):
     ref = load_reference(fname)
     variant = ref["variants"][vi]

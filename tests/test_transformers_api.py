@@ -160,7 +160,7 @@ def _gguf_cases():
                 yield pytest.param(model, rname, id=f"{model}-{rname}")
 
 
-@pytest.mark.parametrize(("model", "rname"), reference_cases(_gguf_cases))
+@pytest.mark.parametrize(("model", "rname"), reference_cases(_gguf_cases, 2))
 def test_tokens_from_one_render(model, rname):
     ref = load_reference("gguf.json")
     m = ref["models"][model]
