@@ -405,6 +405,7 @@ HANDLER_EDITS = [
     ),
     (True, "", "", "    // messages are not read here; data.prompt neither; try { } catch\n"),
     (True, "", "", '    data.grammar = R"x(messages " data.prompt)x";\n'),
+    (True, "", "    if (inputs.tools.size() > 100) {\n        data.grammar_lazy = true;\n    }\n", ""),
     (True, "", "", '    data.grammar = "a\\"messages\\"b";\n'),
     (True, "", "", '    if (inputs.tools.size() > 100) { throw std::runtime_error("x"); }\n'),
     (

@@ -1558,7 +1558,9 @@ def _prompt_only_problems(body: str, stop: re.Match, macros: set[str],
     # aliases made before the prompt: of the result, of the inputs, captured by a lambda
     if re.search(r"&\s*data\b|=\s*data\b(?!\s*\.)|=\s*&?\s*data\s*\.\s*(prompt|generation_prompt)\b", before):
         problems.append("before the prompt, it takes a reference or pointer to its result")
-    if re.search(r"[({,]\s*[&*]?\s*data\b", before):  # std::addressof(data.prompt), T & r{data.prompt}
+    # std::addressof(data.prompt), f(x, data), T & r{data.prompt} (a brace after a name; not a block's)
+    inits = [m for m in re.finditer(r"(\w+)\s*\{\s*[&*]?\s*data\b", before) if m.group(1) not in ("else", "do", "try")]
+    if re.search(r"[(,]\s*[&*]?\s*data\b", before) or inits:
         problems.append("before the prompt, it passes its result or a part of it to a call or an initializer")
     if re.search(r"\binputs\b(?!\s*\.)", _without_calls(before, RENDERS)):
         problems.append("before the prompt, it passes the whole inputs to something other than a render")
