@@ -756,6 +756,10 @@ GENERATOR_EDITS = [
     (False, '    parser_generation_prompt += "x";\n', "", "is used other than as the parser's"),
     (False, "    auto n_msgs = inputs.messages.size();\n", "    data.grammar_lazy = n_msgs > 3;\n", "set before it"),
     (False, "", "    auto q = helper(inputs);\n", "passes the whole inputs on"),
+    # text the rules would not read as the compiler does
+    (False, "", '    // a note \\\n    data.prompt += "x";\n', "line continuation"),
+    (False, "", "#if 0\n    {\n#endif\n", "preprocessor lines"),
+    (False, "", "    goto done;\n", "goto"),
     (True, "", '    LOG_DBG("%s", "building the parser");\n', ""),
     (True, "", '    data.grammar = R"x(messages " data.prompt)x";\n', ""),
 ]

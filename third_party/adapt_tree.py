@@ -1651,8 +1651,9 @@ AUTOPARSER_SOURCES = ("common/chat-auto-parser-generator.cpp", "common/chat-auto
                       "common/chat-diff-analyzer.cpp", "common/chat-peg-parser.cpp")
 
 
-def _generator_problems(tree: Tree, code: str) -> tuple[list[str], int]:
-    """(why generate_parser cannot stop before its parser, the stop point's offset in ``code``)."""
+def _generator_problems(tree: Tree, code: str, raw: str) -> tuple[list[str], int]:
+    """(why generate_parser cannot stop before its parser, the stop point's offset in ``code``;
+    ``raw``: the file's text, of which ``code`` is the code_only form)."""
     bodies = []
     for m in GENERATOR_DEF.finditer(code):
         close = _block_end(code, m.end() - 1)
@@ -1662,6 +1663,9 @@ def _generator_problems(tree: Tree, code: str) -> tuple[list[str], int]:
     if len(bodies) != 1:
         return [f"{len(bodies)} generate_parser definitions render the prompt (expected 1)"], -1
     start, body = bodies[0]
+    text_problems = _text_problems(raw[start:start + len(body)], body)
+    if text_problems:
+        return text_problems, -1
     stops = list(GENERATOR_STOP.finditer(body))
     if len(stops) != 1:
         return [f"'auto parser = autoparser.build_parser(inputs, ...);' occurs {len(stops)} times (expected 1)"], -1
@@ -1702,7 +1706,7 @@ def generator_rewrite(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], str]
                      "add_generation_prompt off run the full path")
         return [], f"{GENERATOR} is not in this tree"
     text = tree.read(GENERATOR)
-    problems, at = _generator_problems(tree, code_only(text))
+    problems, at = _generator_problems(tree, code_only(text), text)
     if problems:
         verdict = "; ".join(problems)
         notes.append(f"{GENERATOR}: generate_parser has no prompt-only stop point ({verdict}); requests that "
