@@ -374,3 +374,9 @@ def test_server_differential_refuses_a_setup_that_cannot_serve(tmp_path, tiny_gg
     with pytest.raises(server_differential.SetupError, match="does not serve(.|\n)*failed to load model"):
         server_differential.preflight(exits, tiny, None, 10)
     assert server_differential.main([exits, "--model", str(tiny), "--requests", "0", "--mutants", "0"]) == 2
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
+def test_llama_server_process_refuses_a_startup_timeout_that_cannot_pass(seconds):
+    with pytest.raises(ValueError, match="startup_timeout must be > 0"):
+        bench.LlamaServerProcess("llama-server", "m.gguf", "t.jinja", startup_timeout=seconds)

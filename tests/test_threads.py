@@ -9,6 +9,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 import llamaprompt
@@ -176,8 +177,15 @@ def test_interpreter_exit_while_a_daemon_thread_renders(threads):
 
 
 @pytest.mark.parametrize(
-    "threads, error", [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError), ("2", TypeError)]
+    "threads, error",
+    [(0, ValueError), (-2, ValueError), (np.int64(0), ValueError), (2.0, TypeError), (True, TypeError),
+     ("2", TypeError), (np.float64(2), TypeError), (np.bool_(True), TypeError)],
 )
 def test_threads_argument_is_checked(threads, error):
     with pytest.raises(error, match="threads must be"):
         _qwen().apply_template_many(_greetings(2), threads=threads)
+
+
+def test_threads_takes_an_integer_of_another_type():
+    t = _qwen()
+    assert t.apply_template_many(_greetings(3), threads=np.int64(2)) == t.apply_template_many(_greetings(3))

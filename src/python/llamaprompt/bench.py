@@ -254,7 +254,7 @@ class LlamaServerProcess:
     process group of its own, which is stopped as a whole (a wrapper script's children too).
     ``max_memory`` (bytes) caps the server's address space (RLIMIT_AS; POSIX only): a template
     that makes it allocate without end then ends it with an allocation failure instead of the
-    machine's out-of-memory killer.
+    machine's out-of-memory killer. ValueError: ``startup_timeout`` not > 0.
     """
 
     def __init__(
@@ -265,6 +265,8 @@ class LlamaServerProcess:
         startup_timeout: float = 60.0,
         max_memory: int | None = None,
     ) -> None:
+        if not startup_timeout > 0:  # NaN included: no start could ever be awaited
+            raise ValueError(f"startup_timeout must be > 0 seconds, not {startup_timeout!r}")
         self.binary, self.model, self.template = binary, model, str(template)
         self.startup_timeout = startup_timeout
         self.max_memory = max_memory

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
@@ -665,15 +666,20 @@ class ChatTemplate:
 
         Raises:
             ValueError: ``threads`` < 1.
-            TypeError: ``threads`` is not an int (a bool or 2.0 included), or ``requests`` is
+            TypeError: ``threads`` is not an integer (``operator.index``: numpy integers are;
+                a bool or 2.0 is not), or ``requests`` is
                 one request (a mapping or text) instead of several.
             RequestError / TemplateError: the first failed request's error (unless
                 ``return_exceptions``).
 
         ``timeout`` is each request's budget, as for :meth:`apply_template`.
         """
-        if isinstance(threads, bool) or not isinstance(threads, int):
-            raise TypeError(f"threads must be an int, not {type(threads).__name__}")
+        try:  # an integer type of its own (numpy.int64) as its int; a Boolean is no count
+            if isinstance(threads, (bool, np.bool_)):
+                raise TypeError
+            threads = operator.index(threads)
+        except TypeError:
+            raise TypeError(f"threads must be an int, not {type(threads).__name__}") from None
         if threads < 1:
             raise ValueError(f"threads must be >= 1, not {threads!r}")
         if isinstance(requests, (Mapping, str, bytes)):
