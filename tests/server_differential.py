@@ -77,11 +77,19 @@ class SetupError(Exception):
     """The server, the model or the core cannot run the cases at all (nothing compared)."""
 
 
+def _server(binary: str, model: Path, template: Path, startup_timeout: float) -> Any:
+    """llama-server for ``template`` with ``model``, its memory capped (SERVER_MEMORY)."""
+    from llamaprompt import bench
+
+    return bench.LlamaServerProcess(
+        binary, str(model), template, startup_timeout=startup_timeout, max_memory=SERVER_MEMORY
+    )
+
+
 def preflight(binary: str, model: Path, llama_cpp: str | None, startup_timeout: float) -> None:
     """Both sides must load the model with a pinned template, else every template would count
     as "refused by both" (or as a difference): raises SetupError with the reason."""
     import llamaprompt
-    from llamaprompt import bench
 
     path = llamaprompt.pinned_template()
     try:
@@ -89,9 +97,7 @@ def preflight(binary: str, model: Path, llama_cpp: str | None, startup_timeout: 
     except (llamaprompt.Error, OSError) as e:
         raise SetupError(f"llamaprompt cannot load {model} with {path.name}: {e}") from None
     try:
-        with bench.LlamaServerProcess(
-            binary, str(model), path, startup_timeout=startup_timeout, max_memory=SERVER_MEMORY
-        ):
+        with _server(binary, model, path, startup_timeout):
             pass
     except (RuntimeError, OSError) as e:
         raise SetupError(f"{binary} does not serve {path.name} with {model}: {e}") from None
@@ -133,9 +139,7 @@ def compare(
             except llamaprompt.Error as e:
                 ours = e
             try:
-                with bench.LlamaServerProcess(
-                    binary, str(model), path, startup_timeout=startup_timeout, max_memory=SERVER_MEMORY
-                ) as url:
+                with _server(binary, model, path, startup_timeout) as url:
                     server = bench.ServerPeer(url)
                     if isinstance(ours, Exception):
                         differences.append(f"{name}: llama-server loads it, llamaprompt raised {ours!r}")
@@ -193,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
         ap.error(f"{args.llama_server}: not an executable file")
+    if not args.startup_timeout > 0:
+        ap.error(f"--startup-timeout must be > 0 seconds, not {args.startup_timeout}")
     if args.model is not None and not args.model.is_file():
         ap.error(f"{args.model}: no such file")
     if args.json is not None and not os.access(args.json.parent.resolve(), os.W_OK):
