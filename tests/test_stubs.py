@@ -138,7 +138,7 @@ def test_class_members_and_signatures_match_the_module(cls):
 def test_constants_have_the_stubbed_types():
     _, _, constants = _stub()
     tree = ast.parse(STUB.read_text())
-    kinds = {"str": str, "list[str]": list}
+    kinds = {"str": str, "list[str]": list, "bool": bool}
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             expected = kinds[ast.unparse(node.annotation)]

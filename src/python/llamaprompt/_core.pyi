@@ -8,6 +8,7 @@ LLAMA_CPP_DIR: str
 SOURCE_HASH: str
 SOURCE_DIR: str
 TREE_INFO_JSON: str
+BLOCK_CACHE: bool
 CAPS_KEYS: list[str]
 
 class Template:

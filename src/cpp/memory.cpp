@@ -1,0 +1,196 @@
+// The memory of the module's own C++ code: operator new / delete, replaced inside _core only.
+//
+// A render allocates and frees about a thousand small blocks (strings, vectors, hash nodes,
+// JSON values) and frees them in bursts -- a scope, a loop's result, a request's JSON -- which
+// glibc's per-thread cache (7 blocks per size) does not absorb: its slow path (_int_malloc,
+// _int_free) was a quarter of a render's instructions. Here each thread keeps freed blocks of up
+// to 520 bytes in lists per size class, in front of malloc.
+//
+// Every block is still malloc's: a miss calls malloc (for the class's whole size), a full list
+// or a thread that is ending calls free. So it makes no difference which code frees a block:
+// libstdc++'s out-of-line code (streams, locales, exceptions' strings) allocates with the
+// process's operator new and the module's inlined code frees those blocks here, and the reverse,
+// as before. The module's symbol map (CMakeLists.txt: only PyInit__core is exported) keeps these
+// definitions local, so the host process's operator new and malloc stay as they were.
+//
+// LLAMAPROMPT_BLOCK_CACHE=OFF (CMake define or environment variable) builds the module without
+// it (the process's operator new), to measure against (docs/performance.md).
+
+#include "memory.h"
+
+#include <cstddef>
+#include <cstdlib>
+#include <new>
+#include <string>
+
+#if LP_BLOCK_CACHE_ACTIVE
+
+#include <malloc.h>
+
+namespace {
+
+struct free_block {
+    free_block * next;
+};
+
+// class k (1..classes-1) holds blocks with at least 16 k + 8 usable bytes: glibc's sizes on 64-bit
+// (a chunk is a multiple of 16 bytes and 8 of them are its header), so malloc(16 k + 8) wastes
+// nothing and a block's class comes from what malloc_usable_size says it has
+constexpr std::size_t classes = 33;  // up to 520 bytes
+constexpr std::size_t largest = 16 * (classes - 1) + 8;
+constexpr std::size_t keep_bytes = 32 * 1024;  // per class and thread
+constexpr unsigned keep_blocks = 512;
+
+struct lists {  // trivial: a thread-local access without a guard
+    free_block * head[classes];
+    unsigned count[classes];
+    unsigned char state;  // 0 not used yet, 1 in use, 2 the thread is ending
+};
+
+lists & local() noexcept {
+    static thread_local lists l;
+    return l;
+}
+
+constexpr std::size_t capacity(std::size_t k) { return 16 * k + 8; }
+
+struct keep_table {  // how many free blocks a thread keeps per class
+    unsigned blocks[classes] = {};
+    constexpr keep_table() {
+        for (std::size_t k = 1; k < classes; ++k) {
+            const std::size_t n = keep_bytes / capacity(k);
+            blocks[k] = n < keep_blocks ? unsigned(n) : keep_blocks;
+        }
+    }
+};
+constexpr keep_table keep;
+
+struct reaper {  // gives the thread's blocks back to malloc when the thread ends
+    ~reaper() {
+        lists & l = local();
+        l.state = 2;
+        for (std::size_t k = 0; k < classes; ++k) {
+            while (free_block * b = l.head[k]) {
+                l.head[k] = b->next;
+                std::free(b);
+            }
+            l.count[k] = 0;
+        }
+    }
+};
+
+void start(lists & l) noexcept {
+    l.state = 1;
+    static thread_local reaper r;
+    (void) r;
+}
+
+// the paths off the hot ones (which read the thread-local once and call nothing before their
+// return): a thread's first use, its end, a miss, a full list, a block of another size
+[[gnu::noinline]] void * allocate_slow(std::size_t n, std::size_t k) noexcept {
+    lists & l = local();
+    if (l.state == 0) {
+        start(l);
+    }
+    return std::malloc(k != 0 ? capacity(k) : n == 0 ? 1 : n);  // a class's whole size: reusable for any of it
+}
+
+[[gnu::noinline]] void deallocate_slow(void * p, std::size_t usable) noexcept;
+
+inline std::size_t request_class(std::size_t n) noexcept {  // 0: not kept
+    return n > largest ? 0 : n <= 24 ? 1 : (n + 7) / 16;
+}
+
+inline std::size_t block_class(std::size_t usable) noexcept {  // 0: not kept
+    return usable < capacity(1) || usable > largest + 15 ? 0 : (usable - 8) / 16;
+}
+
+inline void * allocate(std::size_t n) noexcept {
+    const std::size_t k = request_class(n);
+    if (k != 0) {
+        lists & l = local();
+        if (free_block * b = l.head[k]) {  // (lists are empty before the start and after the reaper)
+            l.head[k] = b->next;
+            --l.count[k];
+            return b;
+        }
+    }
+    return allocate_slow(n, k);
+}
+
+inline void deallocate(void * p) noexcept {
+    if (p == nullptr) {
+        return;
+    }
+    const std::size_t usable = malloc_usable_size(p);
+    const std::size_t k = block_class(usable);
+    lists & l = local();
+    if (k != 0 && l.state == 1 && l.count[k] < keep.blocks[k]) {
+        auto * b = static_cast<free_block *>(p);
+        b->next = l.head[k];
+        l.head[k] = b;
+        ++l.count[k];
+        return;
+    }
+    deallocate_slow(p, usable);
+}
+
+void deallocate_slow(void * p, std::size_t usable) noexcept {
+    lists & l = local();
+    if (l.state == 0) {
+        start(l);
+        const std::size_t k = block_class(usable);
+        if (k != 0) {
+            auto * b = static_cast<free_block *>(p);
+            b->next = l.head[k];
+            l.head[k] = b;
+            ++l.count[k];
+            return;
+        }
+    }
+    std::free(p);
+}
+
+// operator new's contract: call the new-handler until memory comes or there is none to call
+void * allocate_or_throw(std::size_t n) {
+    for (;;) {
+        if (void * p = allocate(n)) {
+            return p;
+        }
+        std::new_handler handler = std::get_new_handler();
+        if (handler == nullptr) {
+            throw std::bad_alloc();
+        }
+        handler();
+    }
+}
+
+void * allocate_or_null(std::size_t n) noexcept {
+    try {
+        return allocate_or_throw(n);
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+}  // namespace
+
+void * operator new(std::size_t n) { return allocate_or_throw(n); }
+void * operator new[](std::size_t n) { return allocate_or_throw(n); }
+void * operator new(std::size_t n, const std::nothrow_t &) noexcept { return allocate_or_null(n); }
+void * operator new[](std::size_t n, const std::nothrow_t &) noexcept { return allocate_or_null(n); }
+void operator delete(void * p) noexcept { deallocate(p); }
+void operator delete[](void * p) noexcept { deallocate(p); }
+void operator delete(void * p, std::size_t) noexcept { deallocate(p); }
+void operator delete[](void * p, std::size_t) noexcept { deallocate(p); }
+void operator delete(void * p, const std::nothrow_t &) noexcept { deallocate(p); }
+void operator delete[](void * p, const std::nothrow_t &) noexcept { deallocate(p); }
+
+// std::string's out-of-line members (_M_create, _M_mutate, reserve, ...): libstdc++ declares them
+// an explicit instantiation of its own (extern template), so the module's strings grew through
+// libstdc++'s copies and their operator new. Instantiated here too (the same code, from the same
+// headers; local to the module like everything but PyInit__core), the module's strings take their
+// memory from the cache as well.
+template class std::basic_string<char>;
+
+#endif

@@ -1,0 +1,110 @@
+"""The module's operator new / delete (src/cpp/memory.cpp): a per-thread cache of freed blocks in
+front of malloc, local to the module. Built where it is meant to be; and blocks that move between
+threads -- a template loaded on one thread and freed on another, threads that end with blocks in
+their lists, apply_template_many's pool -- leave llama-server's recorded prompts unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from conftest import load_reference, mask_dates, reference_cases, template_path
+from llamaprompt import _core
+
+TEMPLATES = ("Qwen-Qwen3-0.6B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja", "Kimi-K2-Instruct.jinja")
+
+# Each wave starts 4 threads, which load the template, render every request, and end; the
+# templates are dropped by the main thread after they ended (their blocks were allocated on
+# threads that are gone). The last wave renders through apply_template_many's pool instead.
+WAVES = r"""
+import json, sys, threading
+import llamaprompt
+args = json.loads(sys.argv[1])
+requests = args["requests"]
+results = []
+loaded = []
+
+def work(name):
+    t = llamaprompt.ChatTemplate.from_file(name, **args["tokens"])
+    out = {}
+    for key, request in requests.items():
+        try:
+            out[key] = t.apply_template(request)
+        except llamaprompt.Error as e:
+            out[key] = ["error", e.status, e.message]
+    results.append((name, out))
+    loaded.append(t)
+
+for wave in range(args["waves"]):
+    threads = [threading.Thread(target=work, args=(n,)) for n in args["templates"] for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    loaded.clear()
+for name in args["templates"]:
+    t = llamaprompt.ChatTemplate.from_file(name, **args["tokens"])
+    keys = list(requests)
+    got = t.apply_template_many([requests[k] for k in keys] * 3, threads=3, return_exceptions=True)
+    out = {}
+    for i, k in enumerate(keys * 3):
+        g = got[i]
+        out.setdefault(k, []).append(g if isinstance(g, str) else ["error", g.status, g.message])
+    results.append((name, {k: v[0] for k, v in out.items()}))
+    assert all(v == [v[0]] * 3 for v in out.values()), "apply_template_many: repeats differ"
+print(json.dumps(results))
+"""
+
+
+def test_block_cache_is_built_where_it_applies():
+    if os.environ.get("LLAMAPROMPT_BLOCK_CACHE", "").upper() in ("OFF", "0", "FALSE", "NO"):
+        pytest.skip("built with LLAMAPROMPT_BLOCK_CACHE=OFF")
+    expected = (
+        sys.platform == "linux"
+        and platform.libc_ver()[0] == "glibc"
+        and platform.machine() in ("x86_64", "aarch64")
+    )
+    assert _core.BLOCK_CACHE is expected
+
+
+def _collect():
+    ref = load_reference("apply_template.json")
+    default = ref["variants"][0]
+    assert default["server_args"] == []
+    for name in TEMPLATES:
+        if name in default["templates"]:
+            yield pytest.param(name, id=name)
+
+
+@pytest.mark.parametrize("name", reference_cases(_collect))
+def test_blocks_moving_between_threads_keep_the_recorded_prompts(name):
+    ref = load_reference("apply_template.json")
+    cases = ref["variants"][0]["templates"][name]["cases"]
+    args = {
+        "requests": {k: ref["requests"][k] for k in cases},
+        "tokens": ref["model_tokens"],
+        "templates": [str(template_path(name))],
+        "waves": 3,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", WAVES, json.dumps(args)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == 3 * 2 + 1
+    mismatches = []
+    for _, out in results:
+        for key, case in cases.items():
+            got = out[key]
+            if case["status"] == 200:
+                if not isinstance(got, str) or mask_dates(got, ref["rendered_on"]) != case["prompt"]:
+                    mismatches.append(f"{key}: {str(got)[:200]!r}")
+            elif got != ["error", case["status"], case["error"]["message"]]:
+                mismatches.append(f"{key}: expected error {case['status']}, got {str(got)[:200]!r}")
+    assert not mismatches, "\n".join(mismatches[:20])
+    assert sum(case["status"] == 200 for case in cases.values()) > 0
