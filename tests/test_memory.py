@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -64,12 +65,48 @@ print(json.dumps(results))
 def test_block_cache_is_built_where_it_applies():
     if os.environ.get("LLAMAPROMPT_BLOCK_CACHE", "").upper() in ("OFF", "0", "FALSE", "NO"):
         pytest.skip("built with LLAMAPROMPT_BLOCK_CACHE=OFF")
+    if os.environ.get("LD_PRELOAD"):
+        pytest.skip("LD_PRELOAD may bring another operator new (the cache then steps aside)")
     expected = (
         sys.platform == "linux"
         and platform.libc_ver()[0] == "glibc"
         and platform.machine() in ("x86_64", "aarch64")
     )
     assert _core.BLOCK_CACHE is expected
+
+
+PRELOADED_OPERATOR_NEW = r"""
+import ctypes, json, llamaprompt
+from llamaprompt import _core
+t = llamaprompt.ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+print(json.dumps([_core.BLOCK_CACHE, t.apply_template({"messages": [{"role": "user", "content": "x" * 300}]})]))
+"""
+
+
+@pytest.mark.skipif(not _core.BLOCK_CACHE, reason="no block cache in this build")
+def test_cache_steps_aside_for_another_operator_new(tmp_path):
+    # a process whose operator new is not libstdc++'s (here: a preloaded library defining one, as
+    # AddressSanitizer's runtime or valgrind's memcheck do) gets the module's allocations through it
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "opnew.cpp"
+    src.write_text(
+        "#include <cstdlib>\n#include <new>\n"
+        "void * operator new(std::size_t n) {\n"
+        "    if (void * p = std::malloc(n ? n : 1)) return p;\n"
+        "    throw std::bad_alloc();\n"
+        "}\n"
+        "void operator delete(void * p) noexcept { std::free(p); }\n"
+    )
+    lib = tmp_path / "libopnew.so"
+    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True, capture_output=True)
+    env = dict(os.environ, LD_PRELOAD=str(lib))
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELOADED_OPERATOR_NEW], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == [False, "<user>" + "x" * 300]
 
 
 def _collect():

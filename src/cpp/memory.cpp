@@ -25,7 +25,10 @@
 
 #if LP_BLOCK_CACHE_ACTIVE
 
+#include <dlfcn.h>
 #include <malloc.h>
+
+#include <cstring>
 
 namespace {
 
@@ -165,26 +168,78 @@ void * allocate_or_throw(std::size_t n) {
     }
 }
 
-void * allocate_or_null(std::size_t n) noexcept {
+// The cache needs the process's operator new to be malloc's: libstdc++'s own (blocks cross between
+// it and the cache). A process that defines another one where the module's libstdc++ finds it
+// first -- AddressSanitizer's runtime, valgrind's memcheck, a C++ host with an allocator of its
+// own -- gets the module's allocations through its operator new / delete instead, as without the
+// cache (its checks then see matching calls).
+struct process_allocator {
+    using new_fn = void * (*) (std::size_t);
+    using delete_fn = void (*)(void *);
+    new_fn scalar_new = nullptr, array_new = nullptr;
+    delete_fn scalar_delete = nullptr, array_delete = nullptr;
+    bool cache = true;
+};
+
+const process_allocator & process() noexcept {
+    static const process_allocator a = [] {
+        process_allocator r;
+        void * found = dlsym(RTLD_DEFAULT, "_Znwm");  // the global scope's, if any: it wins
+        Dl_info info{};
+        if (found != nullptr &&
+            !(dladdr(found, &info) != 0 && info.dli_fname && std::strstr(info.dli_fname, "libstdc++"))) {
+            r.scalar_new = reinterpret_cast<process_allocator::new_fn>(found);
+            r.array_new = reinterpret_cast<process_allocator::new_fn>(dlsym(RTLD_DEFAULT, "_Znam"));
+            r.scalar_delete = reinterpret_cast<process_allocator::delete_fn>(dlsym(RTLD_DEFAULT, "_ZdlPv"));
+            r.array_delete = reinterpret_cast<process_allocator::delete_fn>(dlsym(RTLD_DEFAULT, "_ZdaPv"));
+            r.cache = !(r.array_new && r.scalar_delete && r.array_delete);  // (all four, or none used)
+        }
+        return r;
+    }();
+    return a;
+}
+
+void * new_block(std::size_t n, bool array) {
+    const process_allocator & a = process();
+    if (!a.cache) {
+        return array ? a.array_new(n) : a.scalar_new(n);
+    }
+    return allocate_or_throw(n);
+}
+
+void * new_block_or_null(std::size_t n, bool array) noexcept {
     try {
-        return allocate_or_throw(n);
+        return new_block(n, array);
     } catch (...) {
         return nullptr;
     }
 }
 
+void delete_block(void * p, bool array) noexcept {
+    const process_allocator & a = process();
+    if (!a.cache) {
+        if (p != nullptr) {
+            (array ? a.array_delete : a.scalar_delete)(p);
+        }
+        return;
+    }
+    deallocate(p);
+}
+
 }  // namespace
 
-void * operator new(std::size_t n) { return allocate_or_throw(n); }
-void * operator new[](std::size_t n) { return allocate_or_throw(n); }
-void * operator new(std::size_t n, const std::nothrow_t &) noexcept { return allocate_or_null(n); }
-void * operator new[](std::size_t n, const std::nothrow_t &) noexcept { return allocate_or_null(n); }
-void operator delete(void * p) noexcept { deallocate(p); }
-void operator delete[](void * p) noexcept { deallocate(p); }
-void operator delete(void * p, std::size_t) noexcept { deallocate(p); }
-void operator delete[](void * p, std::size_t) noexcept { deallocate(p); }
-void operator delete(void * p, const std::nothrow_t &) noexcept { deallocate(p); }
-void operator delete[](void * p, const std::nothrow_t &) noexcept { deallocate(p); }
+void * operator new(std::size_t n) { return new_block(n, false); }
+void * operator new[](std::size_t n) { return new_block(n, true); }
+void * operator new(std::size_t n, const std::nothrow_t &) noexcept { return new_block_or_null(n, false); }
+void * operator new[](std::size_t n, const std::nothrow_t &) noexcept { return new_block_or_null(n, true); }
+void operator delete(void * p) noexcept { delete_block(p, false); }
+void operator delete[](void * p) noexcept { delete_block(p, true); }
+void operator delete(void * p, std::size_t) noexcept { delete_block(p, false); }
+void operator delete[](void * p, std::size_t) noexcept { delete_block(p, true); }
+void operator delete(void * p, const std::nothrow_t &) noexcept { delete_block(p, false); }
+void operator delete[](void * p, const std::nothrow_t &) noexcept { delete_block(p, true); }
+
+bool llamaprompt::block_cache_active() noexcept { return process().cache; }
 
 // std::string's out-of-line members (_M_create, _M_mutate, reserve, ...): libstdc++ declares them
 // an explicit instantiation of its own (extern template), so the module's strings grew through
@@ -192,5 +247,9 @@ void operator delete[](void * p, const std::nothrow_t &) noexcept { deallocate(p
 // headers; local to the module like everything but PyInit__core), the module's strings take their
 // memory from the cache as well.
 template class std::basic_string<char>;
+
+#else
+
+bool llamaprompt::block_cache_active() noexcept { return false; }
 
 #endif

@@ -10,3 +10,9 @@
 #else
 #define LP_BLOCK_CACHE_ACTIVE 0
 #endif
+
+namespace llamaprompt {
+// whether the module's allocations go through the block cache in this process: built with it, and
+// the process's operator new is libstdc++'s (not a sanitizer's, valgrind's or a host's own)
+bool block_cache_active() noexcept;
+}  // namespace llamaprompt

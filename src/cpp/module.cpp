@@ -32,8 +32,9 @@ PYBIND11_MODULE(_core, m) {
     m.attr("SOURCE_DIR") = LLAMAPROMPT_SOURCE_DIR;       // where they were at build time
     // what third_party/adapt_tree.py found in the tree (features, rewrites applied or skipped)
     m.attr("TREE_INFO_JSON") = LP_TREE_INFO_JSON;
-    // whether the module's operator new keeps freed blocks per thread (src/cpp/memory.cpp)
-    m.attr("BLOCK_CACHE") = bool(LP_BLOCK_CACHE_ACTIVE);
+    // whether the module's operator new keeps freed blocks per thread (src/cpp/memory.cpp): built
+    // with it, and the process's operator new is libstdc++'s
+    m.attr("BLOCK_CACHE") = llamaprompt::block_cache_active();
     m.attr("CAPS_KEYS") = llamaprompt::caps_keys();
 
     // llama.cpp's common log is silent inside a library unless asked for
