@@ -3,6 +3,7 @@ of apply_template_many are kept between calls (src/cpp/worker_pool.cpp)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import llamaprompt
-from conftest import load_reference
+from conftest import load_reference, mask_dates, reference_cases, template_path
 
 
 def test_threads_give_sequential_prompts():
@@ -147,33 +148,126 @@ import time
 
 import llamaprompt
 
-t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+path = llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")
+t = llamaprompt.ChatTemplate.from_file(path)
 reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(50)]
-threads = int(sys.argv[1])
+mode = sys.argv[1]
 
 def forever():
     while True:
-        if threads:
-            t.apply_template_many(reqs, threads=threads)
-        else:
+        if mode == "load":
+            llamaprompt.ChatTemplate.from_file(path, server_args=["--reasoning-budget", "0"])
+        elif mode == "0":
             t.apply_template(reqs[0])
+        else:
+            t.apply_template_many(reqs, threads=int(mode))
 
-threading.Thread(target=forever, daemon=True).start()
+for _ in range(2):
+    threading.Thread(target=forever, daemon=True).start()
 time.sleep(0.5)
 print("exiting")
 """
 
 
-@pytest.mark.parametrize("threads", [0, 1, 3])
-def test_interpreter_exit_while_a_daemon_thread_renders(threads):
+@pytest.mark.parametrize("mode", ["0", "1", "3", "load"])
+def test_interpreter_exit_while_daemon_threads_work(mode):
     # at shutdown CPython ends a daemon thread waiting for the GIL with pthread_exit; the GIL
     # was taken back in a noexcept destructor, so the process aborted ("terminate called
-    # without an active exception", exit 134) whenever a daemon thread was rendering (gil.h)
+    # without an active exception", exit 134) whenever a daemon thread was rendering (gil.h);
+    # "load": the server arguments' parse returned its result from inside the GIL-released scope
+    # of a try block, and that forced unwinding destroyed it twice (double free, gil.h)
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_WHILE_RENDERING, mode], capture_output=True, text=True, timeout=120
+        )
+        assert (proc.returncode, proc.stdout.strip()) == (0, "exiting"), proc.stderr[-2000:]
+        assert "terminate" not in proc.stderr
+
+
+# A thread renders a template that asks for the local time 300,000 times (seconds of work, much
+# of it in localtime_r); the main thread forks in the middle of it, the child renders a recorded
+# request and exits. The fork must wait for the render (so it takes a good part of the render's
+# time, not milliseconds) and the child must end with the recorded prompt.
+FORK_DURING_A_RENDER = r"""
+import json, os, signal, sys, threading, time
+import llamaprompt
+args = json.loads(sys.argv[1])
+t = llamaprompt.ChatTemplate.from_file(args["template"], **args["tokens"])
+slow = llamaprompt.ChatTemplate(
+    "{% for i in range(300000) %}{{ strftime_now('%H') }}{% endfor %}", timeout=None
+)
+hello = {"messages": [{"role": "user", "content": "hi"}]}
+slow.apply_template(hello)
+start = time.monotonic()
+slow.apply_template(hello)
+alone = time.monotonic() - start
+started = threading.Event()
+
+def render():
+    started.set()
+    slow.apply_template(hello)
+
+thread = threading.Thread(target=render)
+thread.start()
+started.wait()
+time.sleep(alone / 4)
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    try:
+        ok = t.apply_template(args["request"]) == args["expected"]
+    except BaseException:
+        ok = False
+    os._exit(0 if ok else 1)
+fork_took = time.monotonic() - start
+deadline = time.monotonic() + 60
+while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+    time.sleep(0.01)
+if not done[0]:
+    os.kill(pid, signal.SIGKILL)
+thread.join()
+print(json.dumps({"alone": alone, "fork_took": fork_took,
+                  "child": os.waitstatus_to_exitcode(done[1]) if done[0] else "hung"}))
+"""
+
+
+def _fork_case():
+    ref = load_reference("apply_template.json")
+    name = "meta-llama-Llama-3.1-8B-Instruct.jinja"
+    for key, case in ref["variants"][0]["templates"].get(name, {}).get("cases", {}).items():
+        if case["status"] == 200:
+            yield pytest.param(name, key, id=f"{name}:{key}")
+            return
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("name, key", reference_cases(_fork_case, 2))
+def test_fork_waits_for_the_renders_in_progress(name, key):
+    # a fork while another thread was inside llama.cpp's code left the child with that thread's
+    # locks taken -- glibc's time-zone lock (every render formats today's date), a template's
+    # caches' mutexes -- and the child's first render waited forever (4 forks in 1,000 while two
+    # threads rendered); now fork() waits for the renders in progress (gil.h)
+    ref = load_reference("apply_template.json")
+    case = ref["variants"][0]["templates"][name]["cases"][key]
+    t = llamaprompt.ChatTemplate.from_file(template_path(name), **ref["model_tokens"])
+    now = t.apply_template(ref["requests"][key])
+    assert mask_dates(now, ref["rendered_on"]) == case["prompt"]
+    args = {
+        "template": str(template_path(name)),
+        "tokens": ref["model_tokens"],
+        "request": ref["requests"][key],
+        "expected": now,  # the recorded prompt, with today's date where the template prints it
+    }
     proc = subprocess.run(
-        [sys.executable, "-c", EXIT_WHILE_RENDERING, str(threads)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-W", "ignore", "-c", FORK_DURING_A_RENDER, json.dumps(args)],
+        capture_output=True, text=True, timeout=300,
     )
-    assert (proc.returncode, proc.stdout.strip()) == (0, "exiting"), proc.stderr
-    assert "terminate" not in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["child"] == 0
+    # the render had about three quarters of its time left when fork() was called (a fork that
+    # does not wait takes milliseconds)
+    assert out["fork_took"] > out["alone"] / 8, out
 
 
 @pytest.mark.parametrize(

@@ -58,13 +58,11 @@ void register_builtin(py::module_ & m) {
     m.def("chat_apply_template", &chat_apply_template, py::arg("template"), py::arg("messages"), py::arg("add_ass"));
     // common_chat_verify_template: what llama-server's argument parser checks for --chat-template
     m.def("verify_template", [](const std::string & tmpl, bool use_jinja) {
-        gil_released nogil;
-        return common_chat_verify_template(tmpl, use_jinja);
+        return without_gil([&]() { return common_chat_verify_template(tmpl, use_jinja); });
     }, py::arg("template"), py::arg("use_jinja"));
     // llama-server's own refusal of `--chat-template NAME`: its message, or "" when accepted
     m.def("check_chat_template_arg", [](const std::string & name, bool use_jinja) {
-        gil_released nogil;
-        return check_chat_template_arg(name, use_jinja);
+        return without_gil([&]() { return check_chat_template_arg(name, use_jinja); });
     }, py::arg("name"), py::arg("use_jinja"));
 }
 

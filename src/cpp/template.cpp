@@ -257,10 +257,11 @@ class core_template {
         };
         std::vector<outcome> out(bodies.size());
         {
-            gil_released nogil;
+            gil_released nogil(gil_released::per_render);
             std::atomic<size_t> next{0};
             auto work = [&]() {
                 for (size_t i; (i = next++) < bodies.size();) {
+                    fork_hold hold;
                     log_capture logs;  // as apply_template's, per render
                     // the same classification as call_upstream (llama-server's ex_wrapper)
                     try {
@@ -492,8 +493,7 @@ class core_template {
 
     static common_params parse_args(const std::vector<std::string> & server_args) {
         try {
-            gil_released nogil;
-            return parse_server_args(server_args);
+            return without_gil([&]() { return parse_server_args(server_args); });
         } catch (const std::exception & e) {
             throw error(error_kind::server_args, 0, e.what());
         }
