@@ -28,6 +28,7 @@
 #include <dlfcn.h>
 #include <malloc.h>
 
+#include <atomic>
 #include <cstring>
 
 namespace {
@@ -98,9 +99,12 @@ void start(lists & l) noexcept {
     return std::malloc(k != 0 ? capacity(k) : n == 0 ? 1 : n);  // a class's whole size: reusable for any of it
 }
 
-[[gnu::noinline]] void deallocate_slow(void * p, std::size_t usable) noexcept;
+[[gnu::noinline]] void deallocate_slow(void * p, std::size_t k) noexcept;
 
-inline std::size_t request_class(std::size_t n) noexcept {  // 0: not kept
+// the class a request of n bytes takes its block from (0: not kept). With glibc's malloc it is also
+// the class of malloc(n)'s block: its usable size is 16 ceil((n + 8) / 16) - 8 (at least 24), which is
+// capacity(request_class(n)) for n <= largest and over largest + 15 above
+inline std::size_t request_class(std::size_t n) noexcept {
     return n > largest ? 0 : n <= 24 ? 1 : (n + 7) / 16;
 }
 
@@ -121,12 +125,8 @@ inline void * allocate(std::size_t n) noexcept {
     return allocate_slow(n, k);
 }
 
-inline void deallocate(void * p) noexcept {
-    if (p == nullptr) {
-        return;
-    }
-    const std::size_t usable = malloc_usable_size(p);
-    const std::size_t k = block_class(usable);
+// a block of class k (0: not kept) back to the thread's list, or to free
+inline void deallocate(void * p, std::size_t k) noexcept {
     lists & l = local();
     if (k != 0 && l.state == 1 && l.count[k] < keep.blocks[k]) {
         auto * b = static_cast<free_block *>(p);
@@ -135,14 +135,13 @@ inline void deallocate(void * p) noexcept {
         ++l.count[k];
         return;
     }
-    deallocate_slow(p, usable);
+    deallocate_slow(p, k);
 }
 
-void deallocate_slow(void * p, std::size_t usable) noexcept {
+void deallocate_slow(void * p, std::size_t k) noexcept {
     lists & l = local();
     if (l.state == 0) {
         start(l);
-        const std::size_t k = block_class(usable);
         if (k != 0) {
             auto * b = static_cast<free_block *>(p);
             b->next = l.head[k];
@@ -155,16 +154,17 @@ void deallocate_slow(void * p, std::size_t usable) noexcept {
 }
 
 // operator new's contract: call the new-handler until memory comes or there is none to call
-void * allocate_or_throw(std::size_t n) {
+// (after allocate(n) gave nothing)
+[[gnu::noinline]] void * allocate_or_throw(std::size_t n) {
     for (;;) {
-        if (void * p = allocate(n)) {
-            return p;
-        }
         std::new_handler handler = std::get_new_handler();
         if (handler == nullptr) {
             throw std::bad_alloc();
         }
         handler();
+        if (void * p = allocate(n)) {
+            return p;
+        }
     }
 }
 
@@ -179,32 +179,78 @@ struct process_allocator {
     new_fn scalar_new = nullptr, array_new = nullptr;
     delete_fn scalar_delete = nullptr, array_delete = nullptr;
     bool cache = true;
+    bool sized = false;  // a block's class follows from the size it was asked for (sizes_follow_requests)
 };
+
+bool defined_in(void * symbol, const char * library) {
+    Dl_info info{};
+    return symbol != nullptr && dladdr(symbol, &info) != 0 && info.dli_fname && std::strstr(info.dli_fname, library);
+}
+
+// whether malloc(n) has a block of class request_class(n) for every n that a class holds (and one of
+// no class above): true of glibc's malloc (see request_class), checked rather than assumed, since
+// the process's malloc may be another (a preloaded jemalloc or mimalloc, glibc's memory tagging)
+bool sizes_follow_requests() noexcept {
+    for (std::size_t n = 0; n <= largest + 16; ++n) {
+        void * p = std::malloc(n);
+        if (p == nullptr) {
+            return false;
+        }
+        const bool same = block_class(malloc_usable_size(p)) == request_class(n);
+        std::free(p);
+        if (!same) {
+            return false;
+        }
+    }
+    return true;
+}
 
 const process_allocator & process() noexcept {
     static const process_allocator a = [] {
         process_allocator r;
         void * found = dlsym(RTLD_DEFAULT, "_Znwm");  // the global scope's, if any: it wins
-        Dl_info info{};
-        if (found != nullptr &&
-            !(dladdr(found, &info) != 0 && info.dli_fname && std::strstr(info.dli_fname, "libstdc++"))) {
+        if (found != nullptr && !defined_in(found, "libstdc++")) {
             r.scalar_new = reinterpret_cast<process_allocator::new_fn>(found);
             r.array_new = reinterpret_cast<process_allocator::new_fn>(dlsym(RTLD_DEFAULT, "_Znam"));
             r.scalar_delete = reinterpret_cast<process_allocator::delete_fn>(dlsym(RTLD_DEFAULT, "_ZdlPv"));
             r.array_delete = reinterpret_cast<process_allocator::delete_fn>(dlsym(RTLD_DEFAULT, "_ZdaPv"));
             r.cache = !(r.array_new && r.scalar_delete && r.array_delete);  // (all four, or none used)
         }
+        r.sized = sizes_follow_requests();
         return r;
     }();
     return a;
 }
 
-void * new_block(std::size_t n, bool array) {
+// What new and delete do in this process, looked up once (one byte read per call after that):
+// 1 the cache, and a sized delete's size gives the block's class (a block asked for n bytes, by
+// libstdc++'s operator new or this one, is of class request_class(n): sizes_follow_requests);
+// 2 the cache, the class from malloc_usable_size (a malloc whose usable sizes are its own);
+// 3 the process's operator new / delete (process_allocator).
+enum : unsigned char { unknown = 0, cache_sized = 1, cache_usable = 2, forward = 3 };
+std::atomic<unsigned char> the_mode{unknown};
+
+[[gnu::noinline]] unsigned char find_mode() noexcept {
     const process_allocator & a = process();
-    if (!a.cache) {
-        return array ? a.array_new(n) : a.scalar_new(n);
+    const unsigned char m = !a.cache ? forward : a.sized ? cache_sized : cache_usable;
+    the_mode.store(m, std::memory_order_relaxed);  // (the same value from every thread)
+    return m;
+}
+
+inline unsigned char mode() noexcept {
+    const unsigned char m = the_mode.load(std::memory_order_relaxed);
+    return m != unknown ? m : find_mode();
+}
+
+inline void * new_block(std::size_t n, bool array) {
+    if (mode() != forward) {
+        if (void * p = allocate(n)) {
+            return p;
+        }
+        return allocate_or_throw(n);
     }
-    return allocate_or_throw(n);
+    const process_allocator & a = process();
+    return array ? a.array_new(n) : a.scalar_new(n);
 }
 
 void * new_block_or_null(std::size_t n, bool array) noexcept {
@@ -215,15 +261,34 @@ void * new_block_or_null(std::size_t n, bool array) noexcept {
     }
 }
 
-void delete_block(void * p, bool array) noexcept {
+[[gnu::noinline]] void forward_delete(void * p, bool array) noexcept {
     const process_allocator & a = process();
-    if (!a.cache) {
-        if (p != nullptr) {
-            (array ? a.array_delete : a.scalar_delete)(p);
-        }
+    (array ? a.array_delete : a.scalar_delete)(p);
+}
+
+inline void delete_block(void * p, bool array) noexcept {
+    if (p == nullptr) {
         return;
     }
-    deallocate(p);
+    if (mode() == forward) {
+        forward_delete(p, array);
+        return;
+    }
+    deallocate(p, block_class(malloc_usable_size(p)));
+}
+
+inline void delete_sized_block(void * p, std::size_t n, bool array) noexcept {
+    if (p == nullptr) {
+        return;
+    }
+    const unsigned char m = mode();
+    if (m == cache_sized) {
+        deallocate(p, request_class(n));
+    } else if (m == cache_usable) {
+        deallocate(p, block_class(malloc_usable_size(p)));
+    } else {
+        forward_delete(p, array);
+    }
 }
 
 }  // namespace
@@ -234,8 +299,8 @@ void * operator new(std::size_t n, const std::nothrow_t &) noexcept { return new
 void * operator new[](std::size_t n, const std::nothrow_t &) noexcept { return new_block_or_null(n, true); }
 void operator delete(void * p) noexcept { delete_block(p, false); }
 void operator delete[](void * p) noexcept { delete_block(p, true); }
-void operator delete(void * p, std::size_t) noexcept { delete_block(p, false); }
-void operator delete[](void * p, std::size_t) noexcept { delete_block(p, true); }
+void operator delete(void * p, std::size_t n) noexcept { delete_sized_block(p, n, false); }
+void operator delete[](void * p, std::size_t n) noexcept { delete_sized_block(p, n, true); }
 void operator delete(void * p, const std::nothrow_t &) noexcept { delete_block(p, false); }
 void operator delete[](void * p, const std::nothrow_t &) noexcept { delete_block(p, true); }
 
