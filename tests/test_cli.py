@@ -36,6 +36,35 @@ def test_render_matches_reference(tmp_path):
     assert proc.stdout.decode() == case["prompt"]
 
 
+def test_render_untrusted_matches_reference(tmp_path):
+    # the same bytes from the sandboxed worker process
+    ref = load_reference("apply_template.json")
+    case = ref["variants"][0]["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["tools_question"]
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(ref["requests"]["tools_question"]))
+    template = str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    tokens = ["--bos-token", "<s>", "--eos-token", "</s>", "--add-bos"]
+    proc = run("render", "--untrusted", "--timeout", "30", "--template", template, *tokens, str(req))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode() == case["prompt"]
+
+
+def test_render_timeout(tmp_path):
+    # a loop of ten million iterations takes seconds; a 0.3 s budget stops it with the budget's
+    # message (jinja_guard.h) in llama.cpp's source excerpt, in process and in the sandbox
+    slow = tmp_path / "slow.jinja"
+    slow.write_text("{% for m in messages %}{% for i in range(10000000) %}{{ i }}{% endfor %}{% endfor %}")
+    for extra in ([], ["--untrusted"]):
+        proc = run("render", "--template", str(slow), "--timeout", "0.3", *extra)
+        assert proc.returncode == 2, proc.stderr
+        assert b"TemplateError" in proc.stderr and b"exceeded the time budget (0.3 s)" in proc.stderr
+    for bad in ("0", "-1", "inf", "soon"):
+        proc = run("render", "--timeout", bad)
+        assert proc.returncode == 2 and b"--timeout" in proc.stderr
+    proc = run("render", "--untrusted", "--builtin", "chatml")
+    assert proc.returncode == 2 and b"--untrusted" in proc.stderr
+
+
 def test_render_stdin_and_server_args_after_dashes():
     ref = load_reference("apply_template_server_args.json")
     variant = next(v for v in ref["variants"] if v["server_args"] == ["--reasoning", "off"])

@@ -38,7 +38,7 @@ from typing import Any
 from . import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, __version__
 from .errors import Error, RequestError
 from .gguf import gguf_metadata
-from .options import DEFAULT_MEDIA_MARKER
+from .options import DEFAULT_MEDIA_MARKER, DEFAULT_TIMEOUT
 from .options import media_kinds as _media
 from .pinned import DEFAULT_TEMPLATE, pinned_template, pinned_templates
 from .samples import SAMPLE_REQUEST
@@ -61,6 +61,16 @@ def _non_negative(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 <= x < float("inf"):
         raise argparse.ArgumentTypeError("must be a finite number >= 0")
+    return x
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError("must be a finite number of seconds > 0")
     return x
 
 
@@ -145,6 +155,14 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         help="one llama-server flag or value (repeatable; write --server-arg=--flag); "
         "flags after a bare -- are added too",
     )
+    g.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"seconds the template's executions of one call may take (default {DEFAULT_TIMEOUT:g}); "
+        "past it the call fails with llama.cpp's source excerpt (exit 2)",
+    )
     _core_and_media_options(g)
 
 
@@ -180,6 +198,12 @@ def _parser() -> argparse.ArgumentParser:
         "--params",
         action="store_true",
         help="print everything the call computes (chat format, grammar, triggers, ...) as JSON",
+    )
+    p.add_argument(
+        "--untrusted",
+        action="store_true",
+        help="run the template in a sandboxed worker process (llamaprompt.sandbox: --timeout per call and "
+        "for the load, a 4 GiB address space); for templates from unknown sources",
     )
 
     p = sub.add_parser("caps", help="print chat_template_caps as GET /props reports them")
@@ -641,7 +665,7 @@ def _file_tokens(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
+def _load(args: argparse.Namespace, server_args: list[str]) -> Any:
     caps = None
     if args.caps:
         try:
@@ -650,7 +674,20 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
             raise UsageError(f"--caps: not valid JSON: {e}") from None
         if not isinstance(caps, dict):
             raise UsageError("--caps must be a JSON object of caps keys to booleans")
-    common = {"caps": caps, "handler": args.handler, "llama_cpp": args.llama_cpp, "media": _media_arg(args)}
+    common = {
+        "caps": caps,
+        "handler": args.handler,
+        "llama_cpp": args.llama_cpp,
+        "media": _media_arg(args),
+        "timeout": args.timeout,
+    }
+    factory: Any = ChatTemplate
+    if getattr(args, "untrusted", False):
+        if args.builtin:
+            raise UsageError("--untrusted runs Jinja templates (--template, --gguf), not --builtin")
+        from .sandbox import UntrustedTemplate
+
+        factory = UntrustedTemplate
     if args.builtin:
         if args.gguf or args.template:
             raise UsageError("--builtin cannot be combined with --template or --gguf")
@@ -669,7 +706,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
         if args.template:
             with open(args.template, "rb") as f:
                 override = f.read()
-        return ChatTemplate.from_gguf(
+        return factory.from_gguf(
             args.gguf,
             chat_template=override,
             media_marker=args.media_marker,
@@ -677,7 +714,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> ChatTemplate:
             **common,
         )
     path = args.template or pinned_template(DEFAULT_TEMPLATE)
-    return ChatTemplate.from_file(
+    return factory.from_file(
         path,
         **_file_tokens(args),
         server_args=[*args.server_arg, *server_args],
