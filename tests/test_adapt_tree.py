@@ -501,23 +501,35 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
 
 NLOHMANN = ("vendor", "nlohmann", "json.hpp")
 GROW = "llamaprompt_grow_by_moving(static_cast<Container &>(*this), t);"
+OBJECT_GROWTH = "JSON object insert"  # the engine labels' beginnings (adapt_tree.py)
+JSON_DESTRUCTION = "JSON destruction"
+
+
+def _json_rows(tmp_path: Path, label: str) -> list[dict]:
+    return [
+        r
+        for r in _info(tmp_path)["rewrites"]
+        if r["file"] == "/".join(NLOHMANN) and r.get("engine", "").startswith(label)
+    ]
 
 
 def test_json_object_growth_rewrite(tree, tmp_path):
     # nlohmann's ordered_map grows its vector of pair<const Key, T> (no noexcept move: copied) by
     # emplace_back in its two emplace overloads; both call sites get the move-growth first
     assert _run(tree, tmp_path).returncode == 0
-    info = _info(tmp_path)
-    rows = [r for r in info["rewrites"] if r["file"] == "/".join(NLOHMANN)]
+    rows = _json_rows(tmp_path, OBJECT_GROWTH)
     assert len(rows) == 3 and all(r["applied"] for r in rows), rows
     text = (tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)).read_text()
     original = tree.joinpath(*NLOHMANN).read_text()
     assert text.count(GROW) == 2
     assert text.index("inline void llamaprompt_grow_by_moving(") < text.index("struct ordered_map : std::vector")
     # nothing else changed: lines were only added, before ordered_map and before its two emplace_back
+    # (and by the JSON destruction rewrite: its function before destroy, its one changed line)
     ops = difflib.SequenceMatcher(None, original.splitlines(), text.splitlines(), autojunk=False).get_opcodes()
-    assert {op[0] for op in ops} == {"equal", "insert"}
-    assert len([op for op in ops if op[0] == "insert"]) == 3
+    assert {op[0] for op in ops} == {"equal", "insert", "replace"}
+    assert len([op for op in ops if op[0] == "insert"]) == 3 + 1
+    replaced = [(original.splitlines()[a:b], text.splitlines()[c:d]) for op, a, b, c, d in ops if op == "replace"]
+    assert replaced == [([DESTROY_IF], [DESTROY_IF_NEW])]
 
 
 def test_json_object_growth_rewrite_is_all_or_nothing(tree, tmp_path):
@@ -530,18 +542,62 @@ def test_json_object_growth_rewrite_is_all_or_nothing(tree, tmp_path):
     )
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    rows = [r for r in _info(tmp_path)["rewrites"] if r["file"] == "/".join(NLOHMANN)]
+    rows = _json_rows(tmp_path, OBJECT_GROWTH)
     assert len(rows) == 3 and not any(r["applied"] for r in rows)
     mirrored = tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)
-    assert mirrored.read_bytes() == tree.joinpath(*NLOHMANN).read_bytes()
+    assert GROW not in mirrored.read_text() and "llamaprompt_grow_by_moving" not in mirrored.read_text()
     assert any("vendor/nlohmann/json.hpp: engine rewrite not applied" in n for n in _info(tmp_path)["notes"])
+    # the other group (JSON destruction) applies on its own
+    assert all(r["applied"] for r in _json_rows(tmp_path, JSON_DESTRUCTION))
     # a tree without the vendored header: nothing to rewrite or mirror, the build goes on
     shutil.rmtree(tree / "vendor")
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    rows = [r for r in _info(tmp_path)["rewrites"] if r["file"] == "/".join(NLOHMANN)]
+    rows = _json_rows(tmp_path, OBJECT_GROWTH)
     assert rows and all(r["skipped"] == "the file is not in this tree" for r in rows)
     assert not mirrored.exists()
+
+
+DESTROY_IF = "            if (t == value_t::array || t == value_t::object)"
+DESTROY_IF_NEW = (
+    "            if ((t == value_t::array || t == value_t::object) && !llamaprompt_release_elements(t, 64))"
+)
+
+
+def test_json_destruction_rewrite(tree, tmp_path):
+    # facts from reading json.hpp: json_value::destroy moves the elements of an array or object
+    # into a std::vector stack before freeing it; the stack is now reached only when the
+    # elements could not all be destroyed in place (a tree deeper than 64 levels)
+    assert _run(tree, tmp_path).returncode == 0
+    rows = _json_rows(tmp_path, JSON_DESTRUCTION)
+    assert len(rows) == 2 and all(r["applied"] for r in rows), rows
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)).read_text()
+    assert text.count(DESTROY_IF_NEW) == 1 and DESTROY_IF + "\n" not in text
+    helper = text.index("bool llamaprompt_release_elements(value_t t, int levels) noexcept")
+    destroy = text.index("        void destroy(value_t t)\n")
+    assert helper < destroy < text.index(DESTROY_IF_NEW)
+    # the stack code itself is upstream's, unchanged, right after the changed condition
+    original = tree.joinpath(*NLOHMANN).read_text()
+    after = original.index(DESTROY_IF)
+    stack = original[after + len(DESTROY_IF) : original.index("            switch (t)", after)]
+    assert text[text.index(DESTROY_IF_NEW) + len(DESTROY_IF_NEW) :].startswith(stack)
+
+
+def test_json_destruction_rewrite_is_all_or_nothing(tree, tmp_path):
+    # upstream's destroy written another way (here: its stack comment changed): no helper left
+    # unused, the header keeps its destroy as it is, with a message
+    _edit(
+        tree.joinpath(*NLOHMANN),
+        "                // flatten the current json_value to a heap-allocated stack\n",
+        "                // flatten the current value to a heap-allocated stack\n",
+    )
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = _json_rows(tmp_path, JSON_DESTRUCTION)
+    assert len(rows) == 2 and not any(r["applied"] for r in rows)
+    text = (tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)).read_text()
+    assert "llamaprompt_release_elements" not in text
+    assert any("vendor/nlohmann/json.hpp: engine rewrite not applied" in n for n in _info(tmp_path)["notes"])
 
 
 VALUE_H = ("common", "jinja", "value.h")
