@@ -300,3 +300,13 @@ def test_apply_template_many_arguments():
     assert got[0] == "hi" and isinstance(got[1], TypeError) and isinstance(got[2], Exception)
     with pytest.raises(TypeError):
         t.apply_template_many([HI, 5])
+
+
+def test_a_budget_stopping_the_load_says_so():
+    # common_chat_templates_init rethrows what stopped the load as a copy sliced to
+    # std::exception: the load failed with the message "std::exception" (then parsed the
+    # template again, unbudgeted, looking for a parse error); now the budget's own message
+    with pytest.raises(llamaprompt.TemplateError) as e:
+        llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), timeout=1e-6)
+    assert "exceeded the time budget (1e-06 s)" in e.value.message
+    assert e.value.message != "std::exception"

@@ -145,3 +145,20 @@ def test_blocks_moving_between_threads_keep_the_recorded_prompts(name):
                 mismatches.append(f"{key}: expected error {case['status']}, got {str(got)[:200]!r}")
     assert not mismatches, "\n".join(mismatches[:20])
     assert sum(case["status"] == 200 for case in cases.values()) > 0
+
+
+@pytest.mark.skipif(not _core.BLOCK_CACHE, reason="no block cache in this build")
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_cache_steps_aside_under_memcheck():
+    # memcheck redirects libstdc++'s operator new / delete by address (the global scope still
+    # names libstdc++'s): the cache freed blocks from its operator new with free() ("Mismatched
+    # free()"); found by the library valgrind preloads for the tool. (memcheck's other reports,
+    # on the interpreter and the dynamic loader, are not this test's.)
+    proc = subprocess.run(
+        ["valgrind", "--leak-check=no", sys.executable, "-c", PRELOADED_OPERATOR_NEW],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == [False, "<user>" + "x" * 300]
+    assert "Mismatched free" not in proc.stderr
+

@@ -84,3 +84,11 @@ def test_hostile_load_fails_with_template_error():
         UntrustedTemplate("{% for i in range(2000000000) %}{{ i }}{% endfor %}", timeout=1)
     with pytest.raises(llamaprompt.TemplateError):
         UntrustedTemplate("{{ foo(")
+
+
+@pytest.mark.parametrize("timeout", [1e10, 1e300])
+def test_a_budget_longer_than_select_takes(timeout):
+    # select() takes at most a time_t's worth of seconds: budgets past ~9.2e9 s raised
+    # OverflowError ("timestamp out of range for platform time_t") instead of rendering
+    with UntrustedTemplate("{{ messages[0]['content'] }}!", timeout=timeout) as u:
+        assert u.apply_template(REQ) == "hi!"

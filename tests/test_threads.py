@@ -153,29 +153,48 @@ t = llamaprompt.ChatTemplate.from_file(path)
 reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(50)]
 mode = sys.argv[1]
 
+deep = '{"messages": [{"role": "user", "content": "x"}], "u": ' + "[" * 1001 + "]" * 1001 + "}"
+tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "^(?=a)b$"}}}
+warns = {"messages": [{"role": "user", "content": "x"}], "tools": [tool]}  # llama.cpp warns (the schema)
+if mode == "logging":
+    import logging
+    logging.basicConfig()
+
 def forever():
     while True:
-        if mode == "load":
-            llamaprompt.ChatTemplate.from_file(path, server_args=["--reasoning-budget", "0"])
-        elif mode == "0":
-            t.apply_template(reqs[0])
-        else:
-            t.apply_template_many(reqs, threads=int(mode))
+        try:
+            if mode == "load":
+                llamaprompt.ChatTemplate.from_file(path, server_args=["--reasoning-budget", "0"])
+            elif mode == "load-fails":
+                llamaprompt.ChatTemplate.from_file(path, server_args=["--no-such-flag"])
+            elif mode == "request-fails":
+                t.apply_template(deep)
+            elif mode == "logging":
+                t.apply(warns)
+            elif mode == "0":
+                t.apply_template(reqs[0])
+            else:
+                t.apply_template_many(reqs, threads=int(mode))
+        except llamaprompt.Error:
+            pass
 
-for _ in range(2):
+for _ in range(8 if mode == "logging" else 2):
     threading.Thread(target=forever, daemon=True).start()
 time.sleep(0.5)
 print("exiting")
 """
 
 
-@pytest.mark.parametrize("mode", ["0", "1", "3", "load"])
+@pytest.mark.parametrize("mode", ["0", "1", "3", "load", "load-fails", "request-fails", "logging"])
 def test_interpreter_exit_while_daemon_threads_work(mode):
     # at shutdown CPython ends a daemon thread waiting for the GIL with pthread_exit; the GIL
     # was taken back in a noexcept destructor, so the process aborted ("terminate called
     # without an active exception", exit 134) whenever a daemon thread was rendering (gil.h);
     # "load": the server arguments' parse returned its result from inside the GIL-released scope
-    # of a try block, and that forced unwinding destroyed it twice (double free, gil.h)
+    # of a try block, and that forced unwinding destroyed it twice (double free, gil.h);
+    # "*-fails": the call's error was in flight through that destructor (abort, exit 134, nearly
+    # every run); "logging": llama.cpp's warnings went to a logging handler through pybind11
+    # objects, released without the GIL by that unwinding (a crash, exit 139, every other run)
     for _ in range(3):
         proc = subprocess.run(
             [sys.executable, "-c", EXIT_WHILE_RENDERING, mode], capture_output=True, text=True, timeout=120

@@ -26,26 +26,19 @@ struct error : std::runtime_error {
 // error), any other exception -> 500, "unknown error" for non-std exceptions.
 template <typename F>
 auto call_upstream(F && fn) -> decltype(fn()) {
-    std::string message;
-    int status;
-    {
-        gil_released nogil;
+    return without_gil([&]() -> decltype(fn()) {
         try {
             return fn();
         } catch (const error &) {
             throw;
         } catch (const std::invalid_argument & e) {
-            status = 400;
-            message = e.what();
+            throw error(error_kind::request, 400, e.what());
         } catch (const std::exception & e) {
-            status = 500;
-            message = e.what();
+            throw error(error_kind::template_, 500, e.what());
         } catch (...) {
-            status = 500;
-            message = "unknown error";
+            throw error(error_kind::template_, 500, "unknown error");
         }
-    }
-    throw error(status == 400 ? error_kind::request : error_kind::template_, status, message);
+    });
 }
 
 // the llamaprompt.errors exception object for an error (needs the GIL)

@@ -19,6 +19,7 @@
 
 #include <Python.h>
 
+#include <exception>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -61,23 +62,45 @@ class gil_released {
     bool hold_;
 };
 
-// fn() with the GIL released; its result is returned once the GIL is back. Two rules for a
-// gil_released scope: no `catch (...)` around it (it would catch the forced unwinding, which
-// must pass), and no `return value;` from inside it when the scope sits in a try block of the same
-// function: GCC (12) then destroys the already-made return value while the forced unwinding of
-// ~gil_released passes, and the caller's unwinding destroys it again (a double free at exit, seen
-// with daemon threads making templates). A try block inside the scope is fine (call_upstream).
+// fn() with the GIL released; its result is returned, or its exception thrown, once the GIL is
+// back. The only way C++ work runs without the GIL, because of two hazards of ~gil_released when
+// CPython ends the thread there (pthread_exit at interpreter exit, a forced unwinding):
+// - an exception in flight through ~gil_released: the unwinding meets another one, and the
+//   process aborted ("terminate called without an active exception", exit 134) -- a daemon
+//   thread whose call was failing at exit (a request nested too deeply, bad server arguments);
+//   so fn's exception is caught inside the scope and thrown after it;
+// - a value returned from inside a gil_released scope that sits in a try block: GCC (12) destroys
+//   the already-made return value during that unwinding and the caller's unwinding destroys it
+//   again (a double free at exit); so the result waits outside the scope.
+// And no `catch (...)` may be around it (it would catch the forced unwinding, which must pass).
 template <typename F>
-auto without_gil(F && fn) -> decltype(fn()) {
+auto without_gil(F && fn, gil_released::holds holds = gil_released::whole_scope) -> decltype(fn()) {
     using result = decltype(fn());
+    std::exception_ptr failure;
     if constexpr (std::is_void_v<result>) {
-        gil_released nogil;
-        fn();
+        {
+            gil_released nogil(holds);
+            try {
+                fn();
+            } catch (...) {
+                failure = std::current_exception();
+            }
+        }
+        if (failure) {
+            std::rethrow_exception(failure);
+        }
     } else {
         std::optional<result> out;
         {
-            gil_released nogil;
-            out.emplace(fn());
+            gil_released nogil(holds);
+            try {
+                out.emplace(fn());
+            } catch (...) {
+                failure = std::current_exception();
+            }
+        }
+        if (failure) {
+            std::rethrow_exception(failure);
         }
         return std::move(*out);
     }

@@ -20,6 +20,7 @@ thread_local double budget_seconds = 0;
 thread_local size_t max_bytes = 0;
 thread_local uint32_t steps = 0;
 thread_local uint64_t fired = 0;
+thread_local std::string last_fired;  // the message of the last guard that fired here
 thread_local uintptr_t stack_floor = 1;  // 1: not computed yet; 0: unknown (no check)
 
 // the lowest stack address execution may reach: half of this thread's stack stays in reserve
@@ -45,6 +46,7 @@ uintptr_t compute_stack_floor() {
 
 [[noreturn]] void fire(const std::string & what) {
     ++fired;
+    last_fired = what;
     throw std::runtime_error(what);
 }
 
@@ -75,6 +77,8 @@ jinja_budget::~jinja_budget() {
 }
 
 uint64_t jinja_guard_fired() { return fired; }
+
+std::string jinja_guard_last_message() { return last_fired; }
 
 void jinja_guard_step() {
     if (stack_floor == 1) {

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace llamaprompt {
 
@@ -44,6 +45,10 @@ class jinja_budget {
 // how many times a guard fired on this thread (so far); results computed while one fired
 // (e.g. a cached template analysis, whose renders llama.cpp try/catches) are not reused
 uint64_t jinja_guard_fired();
+
+// the message of the last guard that fired on this thread ("" if none): for a caller that gets
+// only a copy of the exception sliced to std::exception (common_chat_templates_init's rethrow)
+std::string jinja_guard_last_message();
 
 // statement::execute: stack and time
 void jinja_guard_step();

@@ -61,26 +61,54 @@ std::string log_capture::errors() const {
 
 void log_capture::emit() const { emit_records(records_); }
 
+// Python's logging through the C API with plain references, not pybind11's objects: a handler
+// runs Python code, which may give up the GIL; if CPython then ends this thread (a daemon thread
+// at interpreter exit: pthread_exit unwinds the stack), pybind11's objects would release their
+// references in their destructors without the GIL -- a crash at exit (seen with logging.basicConfig
+// and daemon threads whose renders warned). Plain references are left as they are then.
 void emit_records(const std::vector<log_record> & records) {
     if (records.empty()) {
         return;
     }
-    py::object logger = py::module_::import("logging").attr("getLogger")("llamaprompt.llama_cpp");
+    PyObject * logging = PyImport_ImportModule("logging");
+    if (!logging) {
+        throw py::error_already_set();
+    }
+    PyObject * logger = PyObject_CallMethod(logging, "getLogger", "s", "llamaprompt.llama_cpp");
+    Py_DECREF(logging);
+    if (!logger) {
+        throw py::error_already_set();
+    }
     for (const auto & r : records) {
         std::string line = r.text;
         while (!line.empty() && line.back() == '\n') {
             line.pop_back();
         }
         const int lvl = python_level(r.level);
-        if (logger.attr("isEnabledFor")(lvl).cast<bool>()) {
-            PyObject * s = PyUnicode_DecodeUTF8(line.data(), (Py_ssize_t) line.size(), "replace");
-            if (!s) {
-                PyErr_Clear();
-                continue;
-            }
-            logger.attr("log")(lvl, "%s", py::reinterpret_steal<py::object>(s));
+        PyObject * enabled = PyObject_CallMethod(logger, "isEnabledFor", "i", lvl);
+        const int on = enabled ? PyObject_IsTrue(enabled) : -1;
+        Py_XDECREF(enabled);
+        if (on < 0) {
+            Py_DECREF(logger);
+            throw py::error_already_set();
         }
+        if (!on) {
+            continue;
+        }
+        PyObject * s = PyUnicode_DecodeUTF8(line.data(), (Py_ssize_t) line.size(), "replace");
+        if (!s) {
+            PyErr_Clear();
+            continue;
+        }
+        PyObject * done = PyObject_CallMethod(logger, "log", "isO", lvl, "%s", s);
+        Py_DECREF(s);
+        if (!done) {
+            Py_DECREF(logger);
+            throw py::error_already_set();
+        }
+        Py_DECREF(done);
     }
+    Py_DECREF(logger);
 }
 
 void log_warning(const char * text) {

@@ -10,6 +10,7 @@
 #endif
 
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -49,13 +50,32 @@ void log_warning(const char * text);
 
 // Runs fn (which must hold the GIL when it returns) with a capture of the llama.cpp log
 // lines it causes on this thread, then emits them to Python's logging, also when fn throws.
+// While the handlers run (Python code, which may give up the GIL), fn's Python result is held as
+// a plain reference: if CPython ends the thread there (a daemon thread at interpreter exit), the
+// forced unwinding must not release it without the GIL (a crash at exit); it is left instead.
 template <typename F>
 auto with_log_capture(F && fn) -> decltype(fn()) {
+    using result_t = decltype(fn());
     log_capture logs;
     try {
-        auto result = fn();
-        logs.emit();
-        return result;
+        result_t result = fn();
+        if constexpr (std::is_base_of_v<pybind11::handle, result_t>) {
+            PyObject * held = result.release().ptr();
+            try {
+                logs.emit();
+#if defined(__GLIBCXX__)
+            } catch (abi::__forced_unwind &) {
+                throw;
+#endif
+            } catch (...) {
+                Py_XDECREF(held);
+                throw;
+            }
+            return pybind11::reinterpret_steal<result_t>(held);
+        } else {
+            logs.emit();
+            return result;
+        }
 #if defined(__GLIBCXX__)
     } catch (abi::__forced_unwind &) {
         throw;  // a thread CPython ends at shutdown (gil.h): it holds no GIL to log with

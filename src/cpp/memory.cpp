@@ -26,6 +26,7 @@
 #if LP_BLOCK_CACHE_ACTIVE
 
 #include <dlfcn.h>
+#include <link.h>
 #include <malloc.h>
 
 #include <atomic>
@@ -170,9 +171,9 @@ void deallocate_slow(void * p, std::size_t k) noexcept {
 
 // The cache needs the process's operator new to be malloc's: libstdc++'s own (blocks cross between
 // it and the cache). A process that defines another one where the module's libstdc++ finds it
-// first -- AddressSanitizer's runtime, valgrind's memcheck, a C++ host with an allocator of its
-// own -- gets the module's allocations through its operator new / delete instead, as without the
-// cache (its checks then see matching calls).
+// first -- AddressSanitizer's runtime, a C++ host with an allocator of its own -- or runs under a
+// valgrind tool that redirects them (memcheck) gets the module's allocations through its
+// operator new / delete instead, as without the cache (its checks then see matching calls).
 struct process_allocator {
     using new_fn = void * (*) (std::size_t);
     using delete_fn = void (*)(void *);
@@ -205,11 +206,29 @@ bool sizes_follow_requests() noexcept {
     return true;
 }
 
+// valgrind's tools that track the heap (memcheck, helgrind, drd, massif, dhat) preload a library
+// of theirs and redirect libstdc++'s operator new / delete and malloc / free by address: the
+// global scope still names libstdc++'s, so it is their preloaded library that tells
+int find_tool_library(dl_phdr_info * info, std::size_t, void * found) {
+    const char * name = info->dlpi_name ? std::strstr(info->dlpi_name, "vgpreload_") : nullptr;
+    if (name && std::strncmp(name, "vgpreload_core", 14) != 0) {
+        *static_cast<bool *>(found) = true;
+        return 1;
+    }
+    return 0;
+}
+
+bool heap_tool_loaded() noexcept {
+    bool found = false;
+    dl_iterate_phdr(find_tool_library, &found);
+    return found;
+}
+
 const process_allocator & process() noexcept {
     static const process_allocator a = [] {
         process_allocator r;
         void * found = dlsym(RTLD_DEFAULT, "_Znwm");  // the global scope's, if any: it wins
-        if (found != nullptr && !defined_in(found, "libstdc++")) {
+        if (found != nullptr && (!defined_in(found, "libstdc++") || heap_tool_loaded())) {
             r.scalar_new = reinterpret_cast<process_allocator::new_fn>(found);
             r.array_new = reinterpret_cast<process_allocator::new_fn>(dlsym(RTLD_DEFAULT, "_Znam"));
             r.scalar_delete = reinterpret_cast<process_allocator::delete_fn>(dlsym(RTLD_DEFAULT, "_ZdlPv"));

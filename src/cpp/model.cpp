@@ -31,13 +31,10 @@ template <typename F>
 auto with_log(const char * what, F && fn) -> decltype(fn()) {
     log_capture logs;
     std::string message;
-    {
-        gil_released nogil;
-        try {
-            return fn();
-        } catch (const std::exception & e) {
-            message = e.what();
-        }
+    try {
+        return without_gil(fn);
+    } catch (const std::exception & e) {
+        message = e.what();
     }
     logs.emit();
     if (message.empty()) {
@@ -149,14 +146,10 @@ void check_tokenize(const llama_vocab * vocab, bool add_special) {
 
 core_model::core_model(const std::string & path) : path_(path) {
     check_file(path);
-    {
-        gil_released nogil;
-        check_vocab_metadata(path);
-    }
+    without_gil([&]() { check_vocab_metadata(path); });
     log_capture logs;
     std::string message;
-    {
-        gil_released nogil;
+    without_gil([&]() {
         llama_model_params mp = llama_model_default_params();
         mp.vocab_only = true;  // as the task asks: no tensor data is read
         mp.n_gpu_layers = 0;
@@ -166,7 +159,7 @@ core_model::core_model(const std::string & path) : path_(path) {
             model_ = nullptr;
             message = e.what();
         }
-    }
+    });
     logs.emit();
     if (!model_) {
         if (message.empty()) {

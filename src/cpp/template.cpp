@@ -256,8 +256,7 @@ class core_template {
             std::vector<log_record> logs;  // llama.cpp's log lines of this render (emitted in order)
         };
         std::vector<outcome> out(bodies.size());
-        {
-            gil_released nogil(gil_released::per_render);
+        without_gil([&]() {
             std::atomic<size_t> next{0};
             auto work = [&]() {
                 for (size_t i; (i = next++) < bodies.size();) {
@@ -280,10 +279,14 @@ class core_template {
             };
             // the calling thread and threads kept between calls (worker_pool.h)
             run_on_threads(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
+        }, gil_released::per_render);
+        // the log first, in order, then the results: no Python object of ours is alive while the
+        // handlers run (with_log_capture says why)
+        for (const auto & o : out) {
+            emit_records(o.logs);
         }
         py::list result;
         for (const auto & o : out) {
-            emit_records(o.logs);
             if (o.status == 0) {
                 result.append(text_to_py(o.text));
             } else {
@@ -509,8 +512,9 @@ class core_template {
         use_jinja_ = params.use_jinja;
         log_capture logs;
         std::string message;
-        {
-            gil_released nogil;
+        std::string budget_message;  // a budget that stopped the load (its exception comes back sliced)
+        without_gil([&]() {
+            const uint64_t fired = jinja_guard_fired();
             try {
                 jinja_budget budget(limits_);  // the load-time probes render the template
                 common_chat_templates_ptr tmpls = make_templates();
@@ -526,19 +530,27 @@ class core_template {
                 }
             } catch (const std::exception & e) {
                 message = e.what();
+                if (jinja_guard_fired() != fired) {
+                    budget_message = jinja_guard_last_message();
+                }
             }
-        }
+        });
         logs.emit();
         if (!opt_.tmpls) {
-            if (message == "std::exception" && !source.empty()) {
-                // common_chat_templates_init rethrows a parse error as `throw e;` (a copy sliced
-                // to std::exception); the parser's own message comes from parsing it again
-                gil_released nogil;
-                try {
-                    common_chat_template probe(source, bos, eos);
-                } catch (const std::exception & e) {
-                    message = e.what();
-                }
+            if (message == "std::exception" && !budget_message.empty()) {
+                // common_chat_templates_init rethrows as `throw e;` (a copy sliced to
+                // std::exception): the budget's own message
+                message = budget_message;
+            } else if (message == "std::exception" && !source.empty()) {
+                // a parse error, rethrown the same way; the parser's own message comes from
+                // parsing it again
+                without_gil([&]() {
+                    try {
+                        common_chat_template probe(source, bos, eos);
+                    } catch (const std::exception & e) {
+                        message = e.what();
+                    }
+                });
             }
             throw error(error_kind::template_, 0, message.empty() ? "failed to load the chat template" : message);
         }

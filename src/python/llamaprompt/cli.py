@@ -161,7 +161,7 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TIMEOUT,
         metavar="S",
         help=f"seconds the template's executions of one call may take (default {DEFAULT_TIMEOUT:g}); "
-        "past it the call fails with llama.cpp's source excerpt (exit 2)",
+        "past it the call fails with a TemplateError carrying llama.cpp's source excerpt",
     )
     _core_and_media_options(g)
 
@@ -202,8 +202,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--untrusted",
         action="store_true",
-        help="run the template in a sandboxed worker process (llamaprompt.sandbox: --timeout per call and "
-        "for the load, a 4 GiB address space); for templates from unknown sources",
+        help="run the template in a sandboxed worker process (llamaprompt.sandbox: killed past --timeout per "
+        "call, or --timeout + 30 s for the load; a 4 GiB address space); for templates from unknown sources",
     )
 
     p = sub.add_parser("caps", help="print chat_template_caps as GET /props reports them")

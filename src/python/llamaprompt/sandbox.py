@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -145,8 +146,14 @@ class _PipeConnection:
     def poll(self, timeout: float) -> bool:
         if self._buf:
             return True
-        ready, _, _ = select.select([self._r], [], [], timeout)
-        return bool(ready)
+        # select takes at most a time_t's worth of seconds: a longer budget waits in steps
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, _, _ = select.select([self._r], [], [], max(0.0, min(deadline - time.monotonic(), 86400.0)))
+            if ready:
+                return True
+            if time.monotonic() >= deadline:
+                return False
 
     def close(self) -> None:
         for f in self._files:
