@@ -63,6 +63,24 @@ def test_render_timeout(tmp_path):
         assert proc.returncode == 2 and b"--timeout" in proc.stderr
     proc = run("render", "--untrusted", "--builtin", "chatml")
     assert proc.returncode == 2 and b"--untrusted" in proc.stderr
+    # the command's usage line, as argparse's own errors print (not the top-level one)
+    assert b"llamaprompt render: error:" in proc.stderr and proc.stderr.startswith(b"usage: llamaprompt render ")
+
+
+def test_render_dataset_without_pyarrow_says_what_to_install(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    code = (
+        "import sys; sys.modules['pyarrow'] = None\n"  # import pyarrow now raises ImportError
+        "from llamaprompt.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "render-dataset", str(rows), "-o", str(tmp_path / "out.parquet")],
+        capture_output=True,
+    )
+    assert proc.returncode == 2
+    assert b"pip install 'llamaprompt[datasets]'" in proc.stderr and b"Traceback" not in proc.stderr
 
 
 def test_render_stdin_and_server_args_after_dashes():

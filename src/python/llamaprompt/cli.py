@@ -740,7 +740,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args, server_args)
     except UsageError as e:
-        parser.error(str(e))  # exits with status 2 after the usage line
+        # the command's own usage line, as argparse prints for its own errors; exits with status 2
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices.get(args.command, parser).error(str(e))
         raise  # not reached
 
 
@@ -785,6 +787,10 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
                 sys.stdout.buffer.write(prompt.encode("utf-8", "surrogateescape"))
                 sys.stdout.flush()
         elif args.command == "render-dataset":
+            try:
+                import pyarrow  # noqa: F401  (render_file reads and writes Arrow tables)
+            except ImportError:
+                raise UsageError("render-dataset needs pyarrow: pip install 'llamaprompt[datasets]'") from None
             from .data import render_file
 
             done = render_file(
