@@ -513,6 +513,18 @@ def _json_rows(tmp_path: Path, label: str) -> list[dict]:
     ]
 
 
+def _json_group_left_out(tree: Path, tmp_path: Path, old: str, new: str, label: str, edits: int) -> str:
+    """Change ``old`` to ``new`` in the tree's json.hpp and run the probe: the group ``label``
+    (``edits`` edits) is applied nowhere, with the configure note; the mirrored header's text."""
+    _edit(tree.joinpath(*NLOHMANN), old, new)
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = _json_rows(tmp_path, label)
+    assert len(rows) == edits and not any(r["applied"] for r in rows)
+    assert any("vendor/nlohmann/json.hpp: engine rewrite not applied" in n for n in _info(tmp_path)["notes"])
+    return (tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)).read_text()
+
+
 def test_json_object_growth_rewrite(tree, tmp_path):
     # nlohmann's ordered_map grows its vector of pair<const Key, T> (no noexcept move: copied) by
     # emplace_back in its two emplace overloads; both call sites get the move-growth first
@@ -535,18 +547,16 @@ def test_json_object_growth_rewrite(tree, tmp_path):
 def test_json_object_growth_rewrite_is_all_or_nothing(tree, tmp_path):
     # one of the two emplace call sites changed upstream: neither is rewritten (a group), the
     # header is mirrored as it is, with a message
-    _edit(
-        tree.joinpath(*NLOHMANN),
+    text = _json_group_left_out(
+        tree,
+        tmp_path,
         "        Container::emplace_back(key, std::forward<T>(t));\n",
         "        this->emplace_back(key, std::forward<T>(t));\n",
+        OBJECT_GROWTH,
+        3,
     )
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    rows = _json_rows(tmp_path, OBJECT_GROWTH)
-    assert len(rows) == 3 and not any(r["applied"] for r in rows)
     mirrored = tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)
-    assert GROW not in mirrored.read_text() and "llamaprompt_grow_by_moving" not in mirrored.read_text()
-    assert any("vendor/nlohmann/json.hpp: engine rewrite not applied" in n for n in _info(tmp_path)["notes"])
+    assert GROW not in text and "llamaprompt_grow_by_moving" not in text
     # the other group (JSON destruction) applies on its own
     assert all(r["applied"] for r in _json_rows(tmp_path, JSON_DESTRUCTION))
     # a tree without the vendored header: nothing to rewrite or mirror, the build goes on
@@ -586,18 +596,15 @@ def test_json_destruction_rewrite(tree, tmp_path):
 def test_json_destruction_rewrite_is_all_or_nothing(tree, tmp_path):
     # upstream's destroy written another way (here: its stack comment changed): no helper left
     # unused, the header keeps its destroy as it is, with a message
-    _edit(
-        tree.joinpath(*NLOHMANN),
+    text = _json_group_left_out(
+        tree,
+        tmp_path,
         "                // flatten the current json_value to a heap-allocated stack\n",
         "                // flatten the current value to a heap-allocated stack\n",
+        JSON_DESTRUCTION,
+        2,
     )
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    rows = _json_rows(tmp_path, JSON_DESTRUCTION)
-    assert len(rows) == 2 and not any(r["applied"] for r in rows)
-    text = (tmp_path / "out" / "generated" / "mirror" / Path(*NLOHMANN)).read_text()
     assert "llamaprompt_release_elements" not in text
-    assert any("vendor/nlohmann/json.hpp: engine rewrite not applied" in n for n in _info(tmp_path)["notes"])
 
 
 VALUE_H = ("common", "jinja", "value.h")

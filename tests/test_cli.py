@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import llamaprompt
 from conftest import load_reference
 
@@ -25,26 +27,16 @@ def test_render_default_sample():
     assert out.endswith("<|im_start|>assistant\n")  # exact bytes: no newline added
 
 
-def test_render_matches_reference(tmp_path):
-    ref = load_reference("apply_template.json")
-    case = ref["variants"][0]["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["tools_question"]
-    req = tmp_path / "req.json"
-    req.write_text(json.dumps(ref["requests"]["tools_question"]))
-    template = str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
-    proc = run("render", "--template", template, "--bos-token", "<s>", "--eos-token", "</s>", "--add-bos", str(req))
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.decode() == case["prompt"]
-
-
-def test_render_untrusted_matches_reference(tmp_path):
-    # the same bytes from the sandboxed worker process
+@pytest.mark.parametrize("extra", [[], ["--untrusted", "--timeout", "30"]], ids=["in-process", "untrusted"])
+def test_render_matches_reference(tmp_path, extra):
+    # in process, and the same bytes from the sandboxed worker process
     ref = load_reference("apply_template.json")
     case = ref["variants"][0]["templates"]["Qwen-Qwen3-0.6B.jinja"]["cases"]["tools_question"]
     req = tmp_path / "req.json"
     req.write_text(json.dumps(ref["requests"]["tools_question"]))
     template = str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
     tokens = ["--bos-token", "<s>", "--eos-token", "</s>", "--add-bos"]
-    proc = run("render", "--untrusted", "--timeout", "30", "--template", template, *tokens, str(req))
+    proc = run("render", *extra, "--template", template, *tokens, str(req))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.decode() == case["prompt"]
 
