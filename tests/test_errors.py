@@ -107,6 +107,48 @@ def test_server_args_environment_is_ignored(monkeypatch):
     assert tmpl.supports_thinking is True
 
 
+def _raised_by_the_core(tmp_path, qwen3) -> list[BaseException]:
+    """One exception of each class the C++ core builds (errors.cpp make_py_error)."""
+    bad_gguf = tmp_path / "x.gguf"
+    bad_gguf.write_text("this is not a gguf file at all")
+    calls = [
+        lambda: qwen3.apply_template({"model": "x"}),  # RequestError, 400
+        lambda: qwen3.apply_template(b'{"messages": ['),  # TemplateError, 500
+        lambda: llamaprompt.ChatTemplate(""),  # TemplateError, no status
+        lambda: llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template(), server_args=["--no-such-flag"]),
+        lambda: llamaprompt.ChatTemplate.from_gguf(bad_gguf),  # GGUFError (an OSError)
+    ]
+    raised = []
+    for call in calls:
+        with pytest.raises(llamaprompt.Error) as info:
+            call()
+        raised.append(info.value)
+    # apply_template_many(return_exceptions=True) builds its errors the same way
+    raised += qwen3.apply_template_many([{"model": "x"}, b"{"], return_exceptions=True)
+    return raised
+
+
+def test_core_errors_are_what_their_class_constructs(tmp_path, qwen3):
+    """The core builds its exceptions without running Error.__init__ (Python code there could
+    let CPython end a daemon thread at exit inside the exception translation): the objects must
+    be the ones the classes' own constructors make, for every class."""
+    raised = _raised_by_the_core(tmp_path, qwen3)
+    lp = llamaprompt
+    assert {type(e) for e in raised} == {lp.RequestError, lp.TemplateError, lp.ServerArgsError, lp.GGUFError}
+    for e in raised:
+        assert isinstance(e, llamaprompt.Error)
+        made = type(e)(e.message, e.status)
+        assert e.args == made.args == (e.message,)
+        assert vars(e) == vars(made)
+        assert (str(e), repr(e)) == (str(made), repr(made))
+        assert isinstance(e.message, str) and e.message
+        if isinstance(e, OSError):
+            assert (e.errno, e.strerror, e.filename) == (made.errno, made.strerror, made.filename)
+        assert e.to_json() == made.to_json()
+    statuses = [e.status for e in raised]
+    assert statuses[:3] == [400, 500, None] and statuses[-2:] == [400, 500]
+
+
 def test_errors_pickle():
     e = llamaprompt.RequestError("bad", 400)
     e2 = pickle.loads(pickle.dumps(e))

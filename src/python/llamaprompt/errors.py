@@ -36,6 +36,8 @@ class Error(Exception):
             where there is no HTTP equivalent.
     """
 
+    # the C++ core makes its errors without calling this (src/cpp/errors.cpp make_py_error sets
+    # args, message and status itself): what it sets must stay in step (tests/test_errors.py)
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
