@@ -169,6 +169,29 @@ def test_deeply_nested_request_is_refused_not_a_crash(qwen3):
     assert qwen3.apply_template(ok).startswith("<|im_start|>user\na")
 
 
+def test_echo_too_deep_for_python_is_a_request_error(qwen3):
+    # apply() returns llama_params, which echo unused request fields: an accepted request
+    # (<= 1000 levels) can still be deeper than json.loads reaches from inside a call
+    def depth(v) -> int:
+        n = 0
+        while isinstance(v, list):
+            v, n = (v[0] if v else None), n + 1
+        return n
+
+    outcomes = set()
+    for n in range(800, 1001, 8):
+        body = '{"messages":[{"role":"user","content":"a"}],"x":' + "[" * n + "]" * n + "}"
+        try:
+            params = qwen3.apply(body)
+        except llamaprompt.RequestError as e:
+            assert "nested too deeply" in e.message and e.status == 400
+            outcomes.add("refused")
+        else:
+            assert depth(params.llama_params["x"]) == n
+            outcomes.add("returned")
+    assert outcomes == {"refused", "returned"}
+
+
 def test_llama_cpp_config_files_are_ignored(tmp_path, monkeypatch):
     cfg = tmp_path / "llama.cpp"
     cfg.mkdir()

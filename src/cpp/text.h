@@ -6,6 +6,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include "errors.h"
 #include "tree.h"
 
 #include <string>
@@ -20,8 +21,20 @@ inline pybind11::object text_to_py(const std::string & s) {
     return pybind11::reinterpret_steal<pybind11::object>(o);
 }
 
+// A result that echoes the request (llama_params) can be nested as deeply as a request may be
+// (1000 levels, parse_body) -- deeper than Python's decoder reaches from inside a call (its
+// recursion limit counts the caller's frames): a RequestError then, as for a deeper request,
+// rather than a RecursionError from inside llamaprompt.
 inline pybind11::object json_text_to_py(const std::string & s) {
-    return pybind11::module_::import("json").attr("loads")(text_to_py(s));
+    try {
+        return pybind11::module_::import("json").attr("loads")(text_to_py(s));
+    } catch (pybind11::error_already_set & e) {
+        if (e.matches(PyExc_RecursionError)) {
+            throw error(error_kind::request, 400,
+                        "request is nested too deeply (its echo exceeds Python's recursion limit)");
+        }
+        throw;
+    }
 }
 
 // bad UTF-8 in strings is replaced, as llama-server's JSON responses do (safe_json_to_str)
