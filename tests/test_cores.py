@@ -340,6 +340,42 @@ def test_worker_crash_is_a_core_error(other_core):
     assert t2.apply_template({"messages": [{"role": "user", "content": "Hi"}]}) == "y"
 
 
+EXIT_WHILE_THE_WORKER_RENDERS = """
+import sys, threading, time
+import llamaprompt
+t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"), llama_cpp=sys.argv[1])
+main_done = t.apply_template({"messages": [{"role": "user", "content": "main"}]})
+def loop():
+    while True:
+        t.apply_template({"messages": [{"role": "user", "content": "x" * 20000}]})
+for _ in range(3):
+    threading.Thread(target=loop, daemon=True).start()
+time.sleep(0.5)
+print("exiting")
+"""
+
+
+def test_interpreter_exit_while_daemon_threads_wait_for_the_worker(other_core):
+    # at exit the worker is stopped (atexit); daemon threads whose calls were waiting for it
+    # printed a CoreError traceback each ("the worker process ... died") as the process exited
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_WHILE_THE_WORKER_RENDERS, OTHER], capture_output=True, text=True, timeout=120
+        )
+        assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "exiting", "")
+
+
+def test_calls_after_close_still_raise(other_core):
+    # the main thread (and any non-daemon thread) still gets its CoreError once the worker is gone
+    from llamaprompt.remote import remote_core
+
+    t = llamaprompt.ChatTemplate("{{ 'x' }}", llama_cpp=OTHER)
+    remote = remote_core(other_core)
+    remote._close_at_exit()
+    with pytest.raises(llamaprompt.CoreError, match="died|gone"):
+        t.apply_template({"messages": [{"role": "user", "content": "Hi"}]})
+
+
 def test_env_makes_another_core_the_in_process_one(other_core):
     code = "import llamaprompt; print(llamaprompt.LLAMA_CPP_COMMIT, llamaprompt.cores.builtin_core().name)"
     env = {**os.environ, "LLAMAPROMPT_CORE": OTHER}

@@ -12,7 +12,8 @@ The worker is ``python -m llamaprompt.remote`` with ``LLAMAPROMPT_CORE`` naming 
 it loads that module and no other. One worker per core per process, started on first use and
 shared by every template of that core; calls are serialized (the worker releases nothing
 between them). A worker that dies makes the calls raise CoreError; templates made before must
-then be created again.
+then be created again. At interpreter exit the worker is stopped; a daemon thread's call still
+waiting for it then waits for good (CPython ends such threads) instead of raising CoreError.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class RemoteCore:
     def __init__(self, core: Core) -> None:
         self.core = core
         self._lock = threading.Lock()
+        self._at_exit = False
         self._dropped: list[int] = []
         self._pid = os.getpid()
         env = {**os.environ, CORE_ENV: str(core.path)}
@@ -171,7 +173,7 @@ class RemoteCore:
         self._properties = {c: set(p) for c, p in info["properties"].items()}
         for name, value in info["constants"].items():
             setattr(self, name, value)
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name not in self.__dict__.get("_classes", ()) | self.__dict__.get(
@@ -182,8 +184,24 @@ class RemoteCore:
             return lambda *args, **kwargs: self._request("new", None, name, args, kwargs, kind=name)
         return lambda *args, **kwargs: self._request("call", None, name, args, kwargs)
 
+    def _close_at_exit(self) -> None:
+        self._at_exit = True
+        self.close()
+
+    def _gone(self) -> None:
+        """Returns when the worker's end is an error for this thread's call; never returns in a
+        daemon thread once the worker was stopped at interpreter exit: atexit handlers run after
+        threading joined the other threads, so the calls still waiting belong to daemon threads,
+        which CPython abandons -- a CoreError would only print its traceback as the process exits."""
+        if self._at_exit and threading.current_thread().daemon:
+            threading.Event().wait()
+
     def _receive(self, timeout: float | None = None) -> tuple[str, Any]:
-        if timeout is not None and not self._conn.poll(timeout):
+        try:
+            ready = timeout is None or self._conn.poll(timeout)
+        except (OSError, ValueError):  # the pipe was closed (close(), at exit)
+            ready = True  # recv says how
+        if not ready:
             self.close()
             raise CoreError(
                 f"the worker process of the llama.cpp {self.core.label()} core did not answer within {timeout:g} s "
@@ -191,7 +209,8 @@ class RemoteCore:
             )
         try:
             return self._conn.recv()
-        except (EOFError, OSError, pickle.UnpicklingError):
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError):
+            self._gone()
             code = None
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self._proc.wait(5)
@@ -210,6 +229,7 @@ class RemoteCore:
             try:
                 self._conn.send((op, target, name, wire, kwargs, dropped))
             except (OSError, ValueError):
+                self._gone()
                 raise CoreError(
                     f"the worker process of the llama.cpp {self.core.label()} core is gone; create the template "
                     "again (a new worker starts)"
