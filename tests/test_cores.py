@@ -341,10 +341,18 @@ def test_worker_crash_is_a_core_error(other_core):
 
 
 EXIT_WHILE_THE_WORKER_RENDERS = """
-import sys, threading, time
+import atexit, sys, threading, time
 import llamaprompt
+if sys.argv[2] == "atexit-first":
+    # registered before the core's own handler: runs after the worker was stopped
+    def last_render():
+        try:
+            t.apply_template({"messages": [{"role": "user", "content": "at exit"}]})
+        except llamaprompt.CoreError:
+            print("atexit: CoreError")
+    atexit.register(last_render)
 t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"), llama_cpp=sys.argv[1])
-main_done = t.apply_template({"messages": [{"role": "user", "content": "main"}]})
+t.apply_template({"messages": [{"role": "user", "content": "main"}]})
 def loop():
     while True:
         t.apply_template({"messages": [{"role": "user", "content": "x" * 20000}]})
@@ -355,14 +363,21 @@ print("exiting")
 """
 
 
-def test_interpreter_exit_while_daemon_threads_wait_for_the_worker(other_core):
+@pytest.mark.parametrize("mode", ["plain", "atexit-first"])
+def test_interpreter_exit_while_daemon_threads_wait_for_the_worker(other_core, mode):
     # at exit the worker is stopped (atexit); daemon threads whose calls were waiting for it
-    # printed a CoreError traceback each ("the worker process ... died") as the process exited
+    # printed a CoreError traceback each ("the worker process ... died") as the process exited.
+    # "atexit-first": a user's atexit handler that runs after the worker was stopped gets its
+    # CoreError -- it hung for good when a daemon thread waited while holding the worker's lock
+    expected = "exiting\natexit: CoreError" if mode == "atexit-first" else "exiting"
     for _ in range(3):
         proc = subprocess.run(
-            [sys.executable, "-c", EXIT_WHILE_THE_WORKER_RENDERS, OTHER], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", EXIT_WHILE_THE_WORKER_RENDERS, OTHER, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
-        assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "exiting", "")
+        assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, expected, "")
 
 
 def test_calls_after_close_still_raise(other_core):
@@ -374,6 +389,33 @@ def test_calls_after_close_still_raise(other_core):
     remote._close_at_exit()
     with pytest.raises(llamaprompt.CoreError, match="died|gone"):
         t.apply_template({"messages": [{"role": "user", "content": "Hi"}]})
+
+
+def test_a_closed_workers_templates_never_reach_the_next_worker(other_core):
+    # close() closed the pipes but kept their descriptor numbers; the next worker's pipes got the
+    # same numbers, so the old template's calls went to it (raw KeyError, crossed answers)
+    from llamaprompt.remote import remote_core
+
+    old = llamaprompt.ChatTemplate("{{ 'old' }}", llama_cpp=OTHER)
+    remote_core(other_core).close()
+    new = llamaprompt.ChatTemplate("{{ 'new' }}", llama_cpp=OTHER)
+    request = {"messages": [{"role": "user", "content": "Hi"}]}
+    for _ in range(3):
+        with pytest.raises(llamaprompt.CoreError, match="died|gone"):
+            old.apply_template(request)
+        assert new.apply_template(request) == "new"
+
+
+def test_worker_returns_echoes_as_deep_as_requests_may_be(other_core):
+    # the worker pickles its answer: an echo of an unused field nested >= ~500 levels raised a raw
+    # RecursionError through the 0.3.35 core (in process the same requests work)
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"), llama_cpp=OTHER)
+    for n in (480, 600, 800, 990, 999):  # 999: the deepest the core accepts (with the body object)
+        body = '{"messages":[{"role":"user","content":"a"}],"x":' + "[" * n + "]" * n + "}"
+        x, depth = t.apply(body).llama_params["x"], 0
+        while isinstance(x, list):
+            x, depth = (x[0] if x else None), depth + 1
+        assert depth == n
 
 
 def test_env_makes_another_core_the_in_process_one(other_core):

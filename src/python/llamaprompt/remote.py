@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from .cores import CORE_ENV, Core
-from .errors import CoreError
+from .errors import CoreError, RequestError
 from .sandbox import _PipeConnection
 
 __all__ = ["RemoteCore", "remote_core"]
@@ -39,7 +39,16 @@ __all__ = ["RemoteCore", "remote_core"]
 #: answer long before; this catches a worker that is stopped or stuck.
 CALL_TIMEOUT = float(os.environ.get("LLAMAPROMPT_CORE_TIMEOUT", "300"))
 
+# the message of src/cpp/text.h json_text_to_py for a result deeper than Python can take
+TOO_DEEP_FOR_PYTHON = (
+    "request is nested too deeply (its echo exceeds Python's recursion limit at this call's stack depth)"
+)
+
 _CONSTANTS = ("LLAMA_CPP_COMMIT", "LLAMA_CPP_SOURCE", "LLAMA_CPP_DIR", "TREE_INFO_JSON", "CAPS_KEYS", "SOURCE_HASH")
+
+
+class _Abandoned(Exception):
+    """A daemon thread's call met the worker stopped at interpreter exit (RemoteCore._gone)."""
 
 
 class _Handle:
@@ -57,6 +66,10 @@ def _serve() -> None:
     sys.stdout = sys.stderr  # nothing printed may corrupt the channel
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a result may echo a request nested as deeply as the core accepts (1000 levels): decoding it
+    # (the core's json.loads) and pickling it (about two frames per level) need more than
+    # Python's default limit; the worker's stack has room for it
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 4000))
     try:
         import llamaprompt  # noqa: F401 - loads the core named by LLAMAPROMPT_CORE
         from llamaprompt import _core
@@ -85,6 +98,23 @@ def _serve() -> None:
     def unwrap(args: tuple) -> list:
         return [objects[a.id] if isinstance(a, _Handle) else a for a in args]
 
+    def answer(reply: tuple[str, Any]) -> None:
+        """Send the reply; what cannot be pickled goes back as an error (OSError: the pipe)."""
+        try:
+            conn.send(reply)
+        except RecursionError:  # as the in-process core answers a result too deep for Python
+            conn.send(("error", RequestError(TOO_DEEP_FOR_PYTHON, 400)))
+        except Exception as e:  # noqa: BLE001 - pickling failed: nothing was written
+            if isinstance(e, OSError):
+                raise
+            bad = reply[1] if reply[0] == "error" else e
+            try:
+                conn.send(("error", bad))
+            except Exception as e2:  # noqa: BLE001 - an exception that cannot travel: its text does
+                if isinstance(e2, OSError):
+                    raise
+                conn.send(("error", RuntimeError(f"{type(bad).__name__}: {bad}")))
+
     while True:
         try:
             op, target, name, args, kwargs, dropped = conn.recv()
@@ -104,15 +134,15 @@ def _serve() -> None:
                 raise ValueError(f"unknown operation {op}")
             if isinstance(obj, core_types):
                 objects[id(obj)] = obj
-                conn.send(("obj", id(obj)))
+                reply: tuple[str, Any] = ("obj", id(obj))
             else:
-                conn.send(("ok", obj))
+                reply = ("ok", obj)
         except BaseException as e:  # noqa: BLE001 - every exception goes back to the caller
-            try:
-                pickle.dumps(e)
-                conn.send(("error", e))
-            except Exception:  # noqa: BLE001 - an exception that cannot travel: its text does
-                conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+            reply = ("error", e)
+        try:
+            answer(reply)
+        except OSError:  # the parent closed the pipe (it stopped the worker: its exit): no one to answer
+            return
 
 
 class _RemoteObject:
@@ -189,12 +219,13 @@ class RemoteCore:
         self.close()
 
     def _gone(self) -> None:
-        """Returns when the worker's end is an error for this thread's call; never returns in a
-        daemon thread once the worker was stopped at interpreter exit: atexit handlers run after
-        threading joined the other threads, so the calls still waiting belong to daemon threads,
-        which CPython abandons -- a CoreError would only print its traceback as the process exits."""
+        """Returns when the worker's end is an error for this thread's call; raises _Abandoned in
+        a daemon thread once the worker was stopped at interpreter exit (_request then waits for
+        good, outside its lock): atexit handlers run after threading joined the other threads, so
+        the calls still waiting belong to daemon threads, which CPython abandons -- a CoreError
+        would only print its traceback as the process exits."""
         if self._at_exit and threading.current_thread().daemon:
-            threading.Event().wait()
+            raise _Abandoned
 
     def _receive(self, timeout: float | None = None) -> tuple[str, Any]:
         try:
@@ -224,6 +255,15 @@ class RemoteCore:
         if os.getpid() != self._pid:
             raise CoreError("a core worker cannot be shared with a forked process; create the template there")
         wire = tuple(_Handle(a._handle) if isinstance(a, _RemoteObject) else a for a in args)
+        try:
+            return self._exchange(op, target, name, wire, kwargs, kind)
+        except _Abandoned:
+            pass
+        # the lock is released: an atexit handler registered before this core may still call it
+        threading.Event().wait()
+        raise AssertionError("unreachable")
+
+    def _exchange(self, op: str, target: int | None, name: str, wire: tuple, kwargs: dict, kind: str) -> Any:
         with self._lock:
             dropped, self._dropped[:] = list(self._dropped), []
             try:

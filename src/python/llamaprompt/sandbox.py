@@ -121,16 +121,25 @@ class _PipeConnection:
         self._files = (reader, writer)
         self._r, self._w = reader.fileno(), writer.fileno()
         self._buf = b""
+        self._closed = False
+
+    def _check_open(self) -> None:
+        # after close() the descriptor numbers may already belong to other files (a new worker's
+        # pipes): never read or write them again
+        if self._closed:
+            raise OSError("the connection to the worker is closed")
 
     def send(self, obj: Any) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         view = memoryview(struct.pack("<Q", len(data)) + data)
         while view:
+            self._check_open()
             n = os.write(self._w, view)
             view = view[n:]
 
     def _fill(self, n: int) -> None:
         while len(self._buf) < n:
+            self._check_open()
             chunk = os.read(self._r, max(n - len(self._buf), 1 << 16))
             if not chunk:
                 raise EOFError("worker closed the pipe")
@@ -149,6 +158,7 @@ class _PipeConnection:
         # select takes at most a time_t's worth of seconds: a longer budget waits in steps
         deadline = time.monotonic() + timeout
         while True:
+            self._check_open()
             ready, _, _ = select.select([self._r], [], [], max(0.0, min(deadline - time.monotonic(), 86400.0)))
             if ready:
                 return True
@@ -156,6 +166,7 @@ class _PipeConnection:
                 return False
 
     def close(self) -> None:
+        self._closed = True
         for f in self._files:
             with contextlib.suppress(OSError, ValueError):
                 f.close()

@@ -751,8 +751,11 @@ class ChatTemplate:
         parts joined into one string. With ``tools``, the template that requests with tools
         use (the ``tool_use`` variant when present) decides.
 
-        Raises RequestError / TemplateError as :meth:`apply_template` would.
+        Raises RequestError / TemplateError as :meth:`apply_template` would, TypeError when
+        ``messages`` is a string, bytes or a mapping (a request: use :meth:`apply`).
         """
+        if isinstance(messages, (str, bytes, Mapping)):
+            raise TypeError(f"messages must be an iterable of message mappings, not {type(messages).__name__}")
         body: dict[str, Any] = {"messages": list(messages)}
         if tools:
             body["tools"] = list(tools)
