@@ -406,16 +406,47 @@ def test_a_closed_workers_templates_never_reach_the_next_worker(other_core):
         assert new.apply_template(request) == "new"
 
 
-def test_worker_returns_echoes_as_deep_as_requests_may_be(other_core):
-    # the worker pickles its answer: an echo of an unused field nested >= ~500 levels raised a raw
-    # RecursionError through the 0.3.35 core (in process the same requests work)
+def test_worker_echoes_deep_results_or_refuses_them(other_core):
+    # the worker pickles its answer (~2 frames per level): an echo of an unused field nested
+    # >= ~500 levels raised a raw RecursionError; now it comes back or is the in-process
+    # core's RequestError for a result too deep for Python
     t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"), llama_cpp=OTHER)
-    for n in (480, 600, 800, 990, 999):  # 999: the deepest the core accepts (with the body object)
+    outcomes = set()
+    for n in (100, 480, 600, 800, 990, 999):
         body = '{"messages":[{"role":"user","content":"a"}],"x":' + "[" * n + "]" * n + "}"
-        x, depth = t.apply(body).llama_params["x"], 0
+        try:
+            x, depth = t.apply(body).llama_params["x"], 0
+        except llamaprompt.RequestError as e:
+            assert "nested too deeply" in e.message and e.status == 400
+            outcomes.add("refused")
+            continue
         while isinstance(x, list):
             x, depth = (x[0] if x else None), depth + 1
         assert depth == n
+        outcomes.add("returned")
+    assert outcomes == {"refused", "returned"}
+
+
+def test_an_interrupted_call_never_hands_its_answer_to_the_next(other_core):
+    # a KeyboardInterrupt (or a signal handler's exception) between a call's request and its
+    # answer left that answer in the pipe: every later call got the previous call's answer
+    from llamaprompt.remote import remote_core
+
+    t = llamaprompt.ChatTemplate("{{ messages[0]['content'] }}", llama_cpp=OTHER)
+    remote = remote_core(other_core)
+    receive = remote._receive
+
+    def interrupted(*args, **kwargs):
+        remote._receive = receive
+        raise KeyboardInterrupt
+
+    remote._receive = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        t.apply_template({"messages": [{"role": "user", "content": "first"}]})
+    with pytest.raises(llamaprompt.CoreError, match="interrupted"):
+        t.apply_template({"messages": [{"role": "user", "content": "second"}]})
+    t2 = llamaprompt.ChatTemplate("{{ messages[0]['content'] }}", llama_cpp=OTHER)
+    assert t2.apply_template({"messages": [{"role": "user", "content": "third"}]}) == "third"
 
 
 def test_env_makes_another_core_the_in_process_one(other_core):

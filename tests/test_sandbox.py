@@ -92,3 +92,19 @@ def test_a_budget_longer_than_select_takes(timeout):
     # OverflowError ("timestamp out of range for platform time_t") instead of rendering
     with UntrustedTemplate("{{ messages[0]['content'] }}!", timeout=timeout) as u:
         assert u.apply_template(REQ) == "hi!"
+
+
+def test_an_interrupted_call_never_hands_its_answer_to_the_next():
+    # a KeyboardInterrupt between a call's request and its answer left that answer in the pipe:
+    # the next call got it; now the next call starts a fresh worker
+    with UntrustedTemplate("{{ messages[0]['content'] }}") as u:
+        receive = u._receive
+
+        def interrupted(*args, **kwargs):
+            u._receive = receive
+            raise KeyboardInterrupt
+
+        u._receive = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            u.apply_template({"messages": [{"role": "user", "content": "first"}]})
+        assert u.apply_template({"messages": [{"role": "user", "content": "second"}]}) == "second"

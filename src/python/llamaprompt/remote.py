@@ -66,10 +66,6 @@ def _serve() -> None:
     sys.stdout = sys.stderr  # nothing printed may corrupt the channel
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a result may echo a request nested as deeply as the core accepts (1000 levels): decoding it
-    # (the core's json.loads) and pickling it (about two frames per level) need more than
-    # Python's default limit; the worker's stack has room for it
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 4000))
     try:
         import llamaprompt  # noqa: F401 - loads the core named by LLAMAPROMPT_CORE
         from llamaprompt import _core
@@ -265,6 +261,13 @@ class RemoteCore:
 
     def _exchange(self, op: str, target: int | None, name: str, wire: tuple, kwargs: dict, kind: str) -> Any:
         with self._lock:
+            if not self._conn.in_sync:  # an interrupted call's answer would come next
+                self._gone()  # (at exit: a daemon thread's call behind an abandoned one)
+                self.close()
+                raise CoreError(
+                    f"a call to the worker process of the llama.cpp {self.core.label()} core was interrupted; the "
+                    "worker was stopped: create the template again (a new worker starts)"
+                )
             dropped, self._dropped[:] = list(self._dropped), []
             try:
                 self._conn.send((op, target, name, wire, kwargs, dropped))

@@ -122,6 +122,13 @@ class _PipeConnection:
         self._r, self._w = reader.fileno(), writer.fileno()
         self._buf = b""
         self._closed = False
+        self._pending = False  # a message was sent whose answer was not read in full
+
+    @property
+    def in_sync(self) -> bool:
+        """False when a call was interrupted (KeyboardInterrupt, a signal handler's exception)
+        between sending and reading its whole answer: the next answer read would be that one's."""
+        return self._closed or not self._pending  # closed: every call fails as such
 
     def _check_open(self) -> None:
         # after close() the descriptor numbers may already belong to other files (a new worker's
@@ -132,6 +139,8 @@ class _PipeConnection:
     def send(self, obj: Any) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         view = memoryview(struct.pack("<Q", len(data)) + data)
+        self._check_open()
+        self._pending = True
         while view:
             self._check_open()
             n = os.write(self._w, view)
@@ -150,6 +159,7 @@ class _PipeConnection:
         (n,) = struct.unpack("<Q", self._buf[:8])
         self._fill(8 + n)
         data, self._buf = self._buf[8 : 8 + n], self._buf[8 + n :]
+        self._pending = False
         return pickle.loads(data)
 
     def poll(self, timeout: float) -> bool:
@@ -318,6 +328,8 @@ class UntrustedTemplate:
 
     def _call(self, method: str, payload: Any) -> Any:
         with self._lock:
+            if self._conn is not None and not self._conn.in_sync:
+                self._kill()  # an interrupted call's answer would come next: a fresh worker instead
             if self._proc is None or self._proc.poll() is not None:
                 self._kill()
                 self._info = self._start()
