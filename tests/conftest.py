@@ -211,3 +211,16 @@ def pytest_collection_modifyitems(config, items):
         path = Path(str(item.fspath)).name
         if path in SLOW_FILES or getattr(item, "originalname", item.name) in SLOW_TESTS or item.name in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+def interrupt_next_receive(owner) -> None:
+    """Make ``owner``'s next ``_receive`` (a RemoteCore's or an UntrustedTemplate's wait for the
+    worker's answer) raise KeyboardInterrupt once, after the request was sent: the answer stays
+    in the pipe, as when Ctrl-C or a signal handler interrupts a call."""
+    receive = owner._receive
+
+    def interrupted(*args, **kwargs):
+        owner._receive = receive
+        raise KeyboardInterrupt
+
+    owner._receive = interrupted

@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 
 import llamaprompt
-from conftest import DATE_FORMATS, REPO, mask_dates, reference_template, shared_reference_dir, template_path
+from conftest import (
+    DATE_FORMATS,
+    REPO,
+    interrupt_next_receive,
+    mask_dates,
+    reference_template,
+    shared_reference_dir,
+    template_path,
+)
 from llamaprompt import _core, cores
 from llamaprompt.cli import main
 from llamaprompt.versions import diff_versions, file_templates
@@ -434,13 +442,7 @@ def test_an_interrupted_call_never_hands_its_answer_to_the_next(other_core):
 
     t = llamaprompt.ChatTemplate("{{ messages[0]['content'] }}", llama_cpp=OTHER)
     remote = remote_core(other_core)
-    receive = remote._receive
-
-    def interrupted(*args, **kwargs):
-        remote._receive = receive
-        raise KeyboardInterrupt
-
-    remote._receive = interrupted
+    interrupt_next_receive(remote)
     with pytest.raises(KeyboardInterrupt):
         t.apply_template({"messages": [{"role": "user", "content": "first"}]})
     with pytest.raises(llamaprompt.CoreError, match="interrupted"):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import llamaprompt
-from conftest import load_reference, template_path
+from conftest import interrupt_next_receive, load_reference, template_path
 from llamaprompt.sandbox import UntrustedTemplate
 
 REQ = {"messages": [{"role": "user", "content": "hi"}]}
@@ -98,13 +98,7 @@ def test_an_interrupted_call_never_hands_its_answer_to_the_next():
     # a KeyboardInterrupt between a call's request and its answer left that answer in the pipe:
     # the next call got it; now the next call starts a fresh worker
     with UntrustedTemplate("{{ messages[0]['content'] }}") as u:
-        receive = u._receive
-
-        def interrupted(*args, **kwargs):
-            u._receive = receive
-            raise KeyboardInterrupt
-
-        u._receive = interrupted
+        interrupt_next_receive(u)
         with pytest.raises(KeyboardInterrupt):
             u.apply_template({"messages": [{"role": "user", "content": "first"}]})
         assert u.apply_template({"messages": [{"role": "user", "content": "second"}]}) == "second"
