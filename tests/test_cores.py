@@ -566,3 +566,41 @@ def test_stuck_worker_times_out(other_core, monkeypatch):
         )
         == "y"
     )
+
+
+FORK_WHILE_A_WORKER_STARTS = """
+import os, sys, threading, time
+import llamaprompt
+from llamaprompt import remote
+held, release = threading.Event(), threading.Event()
+def start_a_worker():  # a thread inside remote_core(), holding its lock, at the fork
+    with remote._REMOTES_LOCK:
+        held.set()
+        release.wait()
+threading.Thread(target=start_a_worker).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    t = llamaprompt.ChatTemplate("{{ messages[0]['content'] }}", llama_cpp=sys.argv[1])
+    print("child:", t.apply_template({"messages": [{"role": "user", "content": "rendered"}]}), flush=True)
+    os._exit(0)
+release.set()
+for _ in range(600):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    print("child: hung")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_worker_starts_gets_its_own(other_core):
+    # the lock that guards the process's workers stayed held in a child forked while another
+    # thread of the parent was starting one: the child's first remote template hung for good
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_A_WORKER_STARTS, OTHER], capture_output=True, text=True, timeout=120
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (0, "child: rendered"), proc.stderr

@@ -102,3 +102,28 @@ def test_an_interrupted_call_never_hands_its_answer_to_the_next():
         with pytest.raises(KeyboardInterrupt):
             u.apply_template({"messages": [{"role": "user", "content": "first"}]})
         assert u.apply_template({"messages": [{"role": "user", "content": "second"}]}) == "second"
+
+
+def test_pipe_connection_frames_large_and_back_to_back_messages():
+    # the worker's pipe: messages larger than the pipe's buffer arrive in many reads, and several
+    # small ones can arrive in one read; each recv() must return exactly one message, in order
+    import os
+    import threading
+
+    from llamaprompt.sandbox import _PipeConnection
+
+    r, w = os.pipe()
+    reader, writer = os.fdopen(r, "rb", buffering=0), os.fdopen(w, "wb", buffering=0)
+    sender, receiver = _PipeConnection(reader, writer), _PipeConnection(reader, writer)
+    big = bytes(range(256)) * (24 << 12)  # 24 MiB, not a multiple of any read size
+    messages = [("a", 1), big, ("b", ""), {"k": [big[:3]]}, "z" * 100_001]
+    thread = threading.Thread(target=lambda: [sender.send(m) for m in messages])
+    thread.start()
+    try:
+        got = [receiver.recv() for _ in messages]
+    finally:
+        thread.join()
+    assert [type(g) for g in got] == [type(m) for m in messages]
+    assert got == messages
+    assert not receiver.poll(0)  # nothing left over
+    sender.close()

@@ -303,6 +303,18 @@ _REMOTES: dict[tuple[int, str], RemoteCore] = {}
 _REMOTES_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # a thread of the parent may have held the lock at the fork (starting a worker): the child
+    # has no such thread, so its copy of the lock would stay held for good. The parent's workers
+    # stay in _REMOTES under the parent's pid (never the child's: remote_core keys by pid).
+    global _REMOTES_LOCK
+    _REMOTES_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def remote_core(core: Core) -> RemoteCore:
     """The worker for ``core`` in this process (started on first use)."""
     key = (os.getpid(), str(core.path))

@@ -120,7 +120,7 @@ class _PipeConnection:
     def __init__(self, reader: Any, writer: Any) -> None:
         self._files = (reader, writer)
         self._r, self._w = reader.fileno(), writer.fileno()
-        self._buf = b""
+        self._buf = bytearray()
         self._closed = False
         self._pending = False  # a message was sent whose answer was not read in full
 
@@ -147,20 +147,28 @@ class _PipeConnection:
             view = view[n:]
 
     def _fill(self, n: int) -> None:
+        # a bytearray grows in place (amortized): a large answer arrives in pipe-sized chunks,
+        # and `bytes += chunk` copied everything read so far for each one (quadratic)
         while len(self._buf) < n:
             self._check_open()
-            chunk = os.read(self._r, max(n - len(self._buf), 1 << 16))
+            chunk = os.read(self._r, min(max(n - len(self._buf), 1 << 16), 1 << 20))
             if not chunk:
                 raise EOFError("worker closed the pipe")
             self._buf += chunk
 
     def recv(self) -> Any:
         self._fill(8)
-        (n,) = struct.unpack("<Q", self._buf[:8])
+        (n,) = struct.unpack_from("<Q", self._buf)
         self._fill(8 + n)
-        data, self._buf = self._buf[8 : 8 + n], self._buf[8 + n :]
         self._pending = False
-        return pickle.loads(data)
+        view = memoryview(self._buf)
+        data = view[8 : 8 + n]
+        try:
+            return pickle.loads(data)
+        finally:
+            data.release()
+            view.release()
+            del self._buf[: 8 + n]
 
     def poll(self, timeout: float) -> bool:
         if self._buf:
