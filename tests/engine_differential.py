@@ -71,7 +71,8 @@ def _budget_race(a: list[str], b: list[str]) -> bool:
 
 
 def _text(rng: random.Random) -> str:
-    pool = ["Hello", "What is 2+2?", "", " ", "<tool_call>", "{{ x }}", "\n\n", "Ünïcødé ✓", "a" * 40, "{%"]
+    pool = ["Hello", "What is 2+2?", "", " ", "<tool_call>", "{{ x }}", "\n\n", "Ünïcødé ✓", "a" * 40, "{%",
+            'say "hi" to C:\\dir', "tab\there\r\x00\x08\x0c\x1f\x7f", "\u2028 \U0001f600 end"]
     return rng.choice(pool) + (rng.choice(pool) if rng.random() < 0.3 else "")
 
 

@@ -446,6 +446,32 @@ def test_handler_that_returns_a_changed_copy_runs_in_full(handler_tree, tmp_path
     assert "passes its result on or copies it" in verdict
 
 
+def test_tojson_rewrite_is_left_out_whole_when_one_of_its_patterns_is_missing(tree, tmp_path):
+    # tojson's five edits (the helpers, the string loop, the key, indentation, line breaks) apply
+    # together: a tree whose string loop differs keeps upstream's value_to_json_internal as it is
+    _edit(tree / "common" / "jinja" / "value.cpp", "                        oss << c;\n",
+          "                        oss.put(c);\n")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    tojson = [r for r in info["rewrites"] if r.get("engine", "").startswith("tojson")]
+    assert len(tojson) == 5 and not any(r["applied"] for r in tojson)
+    assert any("tojson" in n and "engine rewrite not applied" in n for n in info["notes"])
+    copy = (tmp_path / "out" / "generated" / "jinja-value.cpp").read_text()
+    assert "llamaprompt_json_escaped" not in copy and "oss.put(c);" in copy
+    # a string value whose as_string() is not its own text: the helper joins the parts first
+    _edit(tree / "common" / "jinja" / "value.cpp", "                        oss.put(c);\n",
+          "                        oss << c;\n")
+    _edit(tree / "common" / "jinja" / "value.h", "virtual string as_string() const override { return val_str; }",
+          "virtual string as_string() const override { string s = val_str; return s; }")
+    assert _run(tree, tmp_path).returncode == 0
+    info = _info(tmp_path)
+    assert all(r["applied"] for r in info["rewrites"] if r.get("engine", "").startswith("tojson"))
+    copy = (tmp_path / "out" / "generated" / "jinja-value.cpp").read_text()
+    assert "llamaprompt_json_escaped" in copy and "val->val_str.parts" not in copy
+    assert any("tojson joins a string value's parts" in n for n in info["notes"])
+
+
 def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     # a tree whose engine lacks a rewrite's pattern builds without it, with a message
     _edit(
@@ -457,7 +483,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 35
+    assert len(engine) == 40
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])

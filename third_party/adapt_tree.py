@@ -1142,6 +1142,126 @@ def member_text_edits(tree: Tree, notes: list[str]) -> list[Edit]:
                  speed=MEMBER_TEXT, group="member_text")]
 
 
+
+# tojson (value_to_json_internal, value.cpp) wrote a string value's escaped text one character at a
+# time (`oss << c`: a stream insertion per byte), after copying the value's parts and joining them
+# (`as_string().str()`), and inserted empty strings for the indentation and line breaks of compact
+# output (indent < 0). Now the text is read from the value's parts where value_string_t::as_string()
+# is `return val_str;` (the member_text probe), escaped the same way and written in runs between the
+# characters that need an escape; the indentation and line breaks are inserted only when they are
+# not empty; an object key that is a string value is printed as it is, not through a new string
+# value holding a copy of its text. The same bytes; the same calls of the function (so the same
+# stack-guard steps).
+TOJSON = "tojson: a string's escaped text written in runs, not a stream insertion per character"
+TOJSON_STRING_LOOP = """        oss << "\\"";
+        for (char c : val->as_string().str()) {
+            switch (c) {
+                case '"': oss << "\\\\\\""; break;
+                case '\\\\': oss << "\\\\\\\\"; break;
+                case '\\b': oss << "\\\\b"; break;
+                case '\\f': oss << "\\\\f"; break;
+                case '\\n': oss << "\\\\n"; break;
+                case '\\r': oss << "\\\\r"; break;
+                case '\\t': oss << "\\\\t"; break;
+                default:
+                    if (static_cast<unsigned char>(c) < 0x20) {
+                        char buf[7];
+                        snprintf(buf, sizeof(buf), "\\\\u%04x", static_cast<unsigned char>(c));
+                        oss << buf;
+                    } else {
+                        oss << c;
+                    }
+            }
+        }
+        oss << "\\"";
+"""
+TOJSON_STRING_RUNS = """        oss << "\\"";
+        llamaprompt_json_escaped(oss, val);
+        oss << "\\"";
+"""
+TOJSON_HELPER = """// llamaprompt (an engine rewrite, see its adapt_tree.py): the text of a string value escaped as
+// value_to_json_internal's loop escaped it one character at a time -- a quote and a backslash by a
+// backslash, \\b \\f \\n \\r \\t by name, other bytes below 0x20 as \\u00XX, every other byte
+// as it is -- written in runs between the bytes that need an escape
+static void llamaprompt_json_escape_text(std::ostringstream & oss, const std::string & text) {
+    const char * run = text.data();
+    const char * const end = run + text.size();
+    for (const char * p = run; p != end; ++p) {
+        const unsigned char c = static_cast<unsigned char>(*p);
+        if (c >= 0x20 && c != '"' && c != '\\\\') {
+            continue;
+        }
+        oss.write(run, p - run);
+        run = p + 1;
+        switch (c) {
+            case '"': oss.write("\\\\\\"", 2); break;
+            case '\\\\': oss.write("\\\\\\\\", 2); break;
+            case '\\b': oss.write("\\\\b", 2); break;
+            case '\\f': oss.write("\\\\f", 2); break;
+            case '\\n': oss.write("\\\\n", 2); break;
+            case '\\r': oss.write("\\\\r", 2); break;
+            case '\\t': oss.write("\\\\t", 2); break;
+            default: {
+                char buf[7];
+                snprintf(buf, sizeof(buf), "\\\\u%04x", c);
+                oss.write(buf, 6);
+            }
+        }
+    }
+    oss.write(run, end - run);
+}
+
+static void llamaprompt_json_escaped(std::ostringstream & oss, const value & val) {
+@PARTS@    llamaprompt_json_escape_text(oss, val->as_string().str());
+}
+
+// llamaprompt (an engine rewrite, see its adapt_tree.py): an object key as value_to_json_internal
+// prints it -- a new string value with the key's text; a key that is a string value already is
+// printed as it is (the same type, the same text: the same output, through the same call)
+static value llamaprompt_json_key(const value & key) {
+    if (typeid(*key) == typeid(value_string_t)) {
+        return key;
+    }
+    return mk_val<value_string>(key->as_string().str());
+}
+
+"""
+TOJSON_KEY = "value_to_json_internal(oss, mk_val<value_string>(pair.first->as_string().str()), "
+TOJSON_KEY_NEW = "value_to_json_internal(oss, llamaprompt_json_key(pair.first), "
+# value_string_t::as_string() returns val_str: its parts' texts, in order, are the text
+TOJSON_PARTS = """    if (typeid(*val) == typeid(value_string_t)) {
+        for (const auto & part : val->val_str.parts) {
+            llamaprompt_json_escape_text(oss, part.val);
+        }
+        return;
+    }
+"""
+TOJSON_INDENT = "                oss << indent_str() << (indent > 0 ? std::string(indent, ' ') : \"\");\n"
+TOJSON_INDENT_NEW = ("                if (indent > 0) { oss << indent_str() << std::string(indent, ' '); }"
+                     "  // llamaprompt: not \"\" << \"\"\n")
+# 4 lines (two of them indented 4 more: the pattern is the end of each)
+TOJSON_NEWLINE = "            oss << newline();\n"
+
+
+def tojson_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """value.cpp edits (a group): value_to_json_internal's string escaping in runs
+    (llamaprompt_json_escaped, declared before it) and no empty insertions for compact output."""
+    code = code_only(tree.read("common/jinja/value.h"))
+    at = code.find("struct value_string_t : public value_t {")
+    body = code[at:_block_end(code, code.find("{", at)) + 1] if at >= 0 else ""
+    parts = TOJSON_PARTS if norm(STRING_AS_STRING) in norm(body) else ""
+    if not parts:
+        notes.append("common/jinja/value.cpp: tojson joins a string value's parts before escaping them "
+                     "(value_string_t::as_string() is not `return val_str;`)")
+    helper = TOJSON_HELPER.replace("@PARTS@", parts)
+    edits = [Edit(JSON_OF_VALUE, helper + JSON_OF_VALUE, speed=TOJSON, group="tojson"),
+             Edit(TOJSON_STRING_LOOP, TOJSON_STRING_RUNS, speed=TOJSON, group="tojson"),
+             Edit(TOJSON_KEY, TOJSON_KEY_NEW, speed=TOJSON, group="tojson"),
+             Edit(TOJSON_INDENT, TOJSON_INDENT_NEW, count=2, speed=TOJSON, group="tojson"),
+             Edit(TOJSON_NEWLINE, TOJSON_NEWLINE.replace("oss << newline();", "if (indent >= 0) { oss << newline(); }"),
+                  count=4, speed=TOJSON, group="tojson")]
+    return edits
+
 # generate_parser and the specialized handlers render the prompt, then the generation prompt:
 # common_chat_template_generation_prompt_impl renders the template again with a copy of the
 # inputs that turns add_generation_prompt and the continuation off, then with
@@ -2112,6 +2232,8 @@ def main(argv: list[str]) -> int:
             probed["common/jinja/value.h"] = leaf_type_test_edits(tree, notes) + bool_int_edits(tree, notes)
             if tree.has("common/jinja/runtime.cpp"):
                 probed["common/jinja/runtime.cpp"] = member_text_edits(tree, notes)
+            if tree.has("common/jinja/value.cpp"):
+                probed["common/jinja/value.cpp"] = tojson_edits(tree, notes)
             if tree.has("common/jinja/runtime.h"):
                 probed["common/jinja/runtime.h"] = leaf_stmt_test_edits(tree, notes)
         handlers = no_gen_reuse_rewrites(tree, notes, handlers, probed)
