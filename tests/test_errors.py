@@ -194,7 +194,8 @@ def test_echo_too_deep_for_python_is_a_request_error(qwen3):
 
 def test_normalize_takes_messages_not_a_request(qwen3):
     # a JSON string is iterable (its characters): it was read as messages and refused for content
-    for wrong in ('[{"role": "user", "content": "hi"}]', b"[]", {"messages": []}):
+    wrong_ones = ('[{"role": "user", "content": "hi"}]', b"[]", bytearray(b"[]"), memoryview(b"[]"), {"messages": []})
+    for wrong in wrong_ones:
         with pytest.raises(TypeError, match="iterable of message mappings"):
             qwen3.normalize(wrong)  # type: ignore[arg-type]
     assert qwen3.normalize([{"role": "user", "content": "hi"}])[0]["content"] == "hi"

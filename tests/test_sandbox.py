@@ -30,6 +30,10 @@ def test_results_equal_chat_template():
                 assert u.apply_template(ref["requests"][name]) == want
         assert u.apply(REQ).prompt == trusted.apply(REQ).prompt
         assert u.normalize(REQ["messages"]) == trusted.normalize(REQ["messages"])
+        # text is refused as ChatTemplate refuses it (it was sent on as a list of its characters)
+        for wrong in ('[{"role": "user", "content": "hi"}]', bytearray(b"[]")):
+            with pytest.raises(TypeError, match="iterable of message mappings"):
+                u.normalize(wrong)  # type: ignore[arg-type]
 
 
 def test_endless_loop_is_stopped_and_the_object_recovers():

@@ -179,6 +179,9 @@ class RemoteCore:
         self.core = core
         self._lock = threading.Lock()
         self._at_exit = False
+        # why the worker was stopped from this side (close(), a timeout, an interrupted call): later
+        # calls say so rather than how the process ended (SIGTERM)
+        self._stopped: str | None = None
         self._dropped: list[int] = []
         self._pid = os.getpid()
         env = {**os.environ, CORE_ENV: str(core.path)}
@@ -229,7 +232,7 @@ class RemoteCore:
         except (OSError, ValueError):  # the pipe was closed (close(), at exit)
             ready = True  # recv says how
         if not ready:
-            self.close()
+            self._stop(f"was stopped: a call did not answer within {timeout:g} s")
             raise CoreError(
                 f"the worker process of the llama.cpp {self.core.label()} core did not answer within {timeout:g} s "
                 "(LLAMAPROMPT_CORE_TIMEOUT); it was stopped: create the template again"
@@ -238,6 +241,8 @@ class RemoteCore:
             return self._conn.recv()
         except (EOFError, OSError, ValueError, pickle.UnpicklingError):
             self._gone()
+            if self._stopped:
+                raise self._stopped_error() from None
             code = None
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self._proc.wait(5)
@@ -263,7 +268,7 @@ class RemoteCore:
         with self._lock:
             if not self._conn.in_sync:  # an interrupted call's answer would come next
                 self._gone()  # (at exit: a daemon thread's call behind an abandoned one)
-                self.close()
+                self._stop("was stopped: a call to it was interrupted")
                 raise CoreError(
                     f"a call to the worker process of the llama.cpp {self.core.label()} core was interrupted; the "
                     "worker was stopped: create the template again (a new worker starts)"
@@ -273,6 +278,8 @@ class RemoteCore:
                 self._conn.send((op, target, name, wire, kwargs, dropped))
             except (OSError, ValueError):
                 self._gone()
+                if self._stopped:
+                    raise self._stopped_error() from None
                 raise CoreError(
                     f"the worker process of the llama.cpp {self.core.label()} core is gone; create the template "
                     "again (a new worker starts)"
@@ -284,8 +291,19 @@ class RemoteCore:
             return _RemoteObject(self, value, kind or "object")
         return value
 
+    def _stopped_error(self) -> CoreError:
+        return CoreError(
+            f"the worker process of the llama.cpp {self.core.label()} core {self._stopped}; create the template "
+            "again (a new worker starts)"
+        )
+
     def close(self) -> None:
-        """Stop the worker (templates of this core stop working)."""
+        """Stop the worker (templates of this core stop working: CoreError)."""
+        self._stop("was closed (close(), or at interpreter exit)")
+
+    def _stop(self, why: str) -> None:
+        if self._stopped is None:
+            self._stopped = why
         with contextlib.suppress(Exception):
             self._conn.close()
         with contextlib.suppress(Exception):

@@ -36,7 +36,7 @@ from typing import Any
 from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
 from .options import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT, Options
 from .params import ChatParams
-from .text import fspath, request_body
+from .text import fspath, messages_list, request_body
 
 __all__ = ["UntrustedTemplate", "DEFAULT_TIMEOUT", "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_MEMORY_BYTES"]
 
@@ -401,7 +401,7 @@ class UntrustedTemplate:
         self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
     ) -> list[dict[str, Any]]:
         """As ChatTemplate.normalize, in the worker."""
-        return self._call("normalize", (list(messages), list(tools) if tools else None))
+        return self._call("normalize", (messages_list(messages), list(tools) if tools else None))
 
 
 if __name__ == "__main__":

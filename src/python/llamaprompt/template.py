@@ -26,7 +26,7 @@ from .options import (
     call_timeout,
 )
 from .params import ChatParams
-from .text import Request, fspath, request_body, utf8
+from .text import Request, fspath, messages_list, request_body, utf8
 
 if TYPE_CHECKING:
     from ._core import Model as _CoreModel
@@ -752,11 +752,9 @@ class ChatTemplate:
         use (the ``tool_use`` variant when present) decides.
 
         Raises RequestError / TemplateError as :meth:`apply_template` would, TypeError when
-        ``messages`` is a string, bytes or a mapping (a request: use :meth:`apply`).
+        ``messages`` is a string, bytes-like or a mapping (a request: use :meth:`apply`).
         """
-        if isinstance(messages, (str, bytes, Mapping)):
-            raise TypeError(f"messages must be an iterable of message mappings, not {type(messages).__name__}")
-        body: dict[str, Any] = {"messages": list(messages)}
+        body: dict[str, Any] = {"messages": messages_list(messages)}
         if tools:
             body["tools"] = list(tools)
         return self._core.normalize(request_body(body))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
 from .errors import RequestError
@@ -72,3 +72,11 @@ def json_safe(text: str) -> str:
     except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
         raw = text.encode("utf-8", "surrogatepass")
     return raw.decode("utf-8", "replace")
+
+
+def messages_list(messages: Iterable[Mapping[str, Any]]) -> list[Any]:
+    """``messages`` as a list; TypeError for text (it would be iterated as characters), bytes-like
+    objects and a mapping (a request, not its messages)."""
+    if isinstance(messages, (str, bytes, bytearray, memoryview, Mapping)):
+        raise TypeError(f"messages must be an iterable of message mappings, not {type(messages).__name__}")
+    return list(messages)
