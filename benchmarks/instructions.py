@@ -74,9 +74,8 @@ def _count(pythonpath: str | None, name: str, rounds: int) -> tuple[int, int]:
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     # callgrind counts every thread: no BLAS/OpenMP worker threads (numpy's OpenBLAS polls),
-    # one string-hash seed, so that the same build gives the same count on every run; and no
-    # bytecode written: the reference's fresh copy compiled its modules in its first (0-round)
-    # run only, which made a same-module comparison read ~2% in the reference's favour
+    # one string-hash seed, so that the same build gives the same count on every run; no
+    # bytecode written (the runs leave the packages as they found them)
     env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1")
     proc = subprocess.run(
         [

@@ -606,3 +606,33 @@ def test_a_child_forked_while_a_worker_starts_gets_its_own(other_core):
         [sys.executable, "-c", FORK_WHILE_A_WORKER_STARTS, OTHER], capture_output=True, text=True, timeout=120
     )
     assert (proc.returncode, proc.stdout.strip()) == (0, "child: rendered"), proc.stderr
+
+
+CHILD_EXIT_WITH_THE_PARENTS_POPEN_BUSY = """
+import os, sys
+import llamaprompt
+from llamaprompt import remote
+from llamaprompt.cores import find_core
+t = llamaprompt.ChatTemplate("{{ messages[0]['content'] }}", llama_cpp=sys.argv[1])
+worker = remote.remote_core(find_core(sys.argv[1]))
+worker._proc._waitpid_lock.acquire()  # a thread of the parent inside Popen.poll(), at the fork
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: the atexit handlers run, the core's among them
+worker._proc._waitpid_lock.release()
+os.waitpid(pid, 0)
+print(t.apply_template({"messages": [{"role": "user", "content": "still here"}]}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_childs_exit_leaves_the_parents_worker_alone(other_core):
+    # the child's copy of the parent's worker saw Popen.poll() answer None (its lock held) and its
+    # atexit handler sent SIGTERM to the parent's worker: the parent's next call raised CoreError
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD_EXIT_WITH_THE_PARENTS_POPEN_BUSY, OTHER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (0, "still here"), proc.stderr

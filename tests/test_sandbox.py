@@ -131,3 +131,39 @@ def test_pipe_connection_frames_large_and_back_to_back_messages():
     assert got == messages
     assert not receiver.poll(0)  # nothing left over
     sender.close()
+
+
+FORK_WHILE_A_CALL_HOLDS_THE_LOCK = """
+import os, sys, time
+from llamaprompt.sandbox import UntrustedTemplate
+u = UntrustedTemplate("{{ messages[0]['content'] }}")
+u.apply_template({"messages": [{"role": "user", "content": "parent"}]})
+u._lock.acquire()  # a thread of the parent in the middle of a call, at the fork
+pid = os.fork()
+if pid == 0:
+    print("child:", u.apply_template({"messages": [{"role": "user", "content": "child"}]}), flush=True)
+    os._exit(0)
+u._lock.release()
+for _ in range(300):
+    done, _status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    print("child: hung")
+print("parent:", u.apply_template({"messages": [{"role": "user", "content": "parent again"}]}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_uses_a_worker_of_its_own():
+    # the child inherited the template's lock held by a parent's call (it waited for good) and
+    # the parent's worker and pipes (a call could reach the parent's worker)
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_A_CALL_HOLDS_THE_LOCK], capture_output=True, text=True, timeout=120
+    )
+    assert (proc.returncode, proc.stdout.split("\n")[:2]) == (0, ["child: child", "parent: parent again"]), proc.stderr

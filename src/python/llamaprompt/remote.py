@@ -305,7 +305,12 @@ class RemoteCore:
         if self._stopped is None:
             self._stopped = why
         with contextlib.suppress(Exception):
-            self._conn.close()
+            self._conn.close()  # (in a forked child: the child's copies of the descriptors)
+        if os.getpid() != self._pid:
+            # a forked child (its atexit handlers, close()): the worker is the parent's -- never
+            # signalled from here (Popen.poll() may answer None in the child: a thread of the
+            # parent held its lock at the fork, and the child's exit stopped the parent's worker)
+            return
         with contextlib.suppress(Exception):
             if self._proc.poll() is None:
                 self._proc.send_signal(signal.SIGCONT)  # a stopped worker cannot exit otherwise

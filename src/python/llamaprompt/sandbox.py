@@ -160,15 +160,13 @@ class _PipeConnection:
         self._fill(8)
         (n,) = struct.unpack_from("<Q", self._buf)
         self._fill(8 + n)
+        # consumed before `_pending` is cleared: an exception from a signal handler anywhere here
+        # leaves either the whole answer in the buffer or the call counted as interrupted (never
+        # an answer read as the next call's)
+        data = bytes(self._buf[8 : 8 + n])
+        del self._buf[: 8 + n]
         self._pending = False
-        view = memoryview(self._buf)
-        data = view[8 : 8 + n]
-        try:
-            return pickle.loads(data)
-        finally:
-            data.release()
-            view.release()
-            del self._buf[: 8 + n]
+        return pickle.loads(data)
 
     def poll(self, timeout: float) -> bool:
         if self._buf:
@@ -274,10 +272,20 @@ class UntrustedTemplate:
         self._max_output = int(max_output_bytes)
         self._max_memory = max_memory_bytes
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process whose worker this is
         self._proc: Any = None
         self._conn: Any = None
         with self._lock:
             self._info = self._start()
+
+    def _after_fork(self) -> None:
+        # in a forked child: the worker and its pipes are the parent's (never signalled or used
+        # from here), and the lock may have been held by a thread of the parent at the fork
+        if self._conn is not None:
+            self._conn.close()  # the child's copies of the descriptors only
+        self._proc = self._conn = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     # -- the worker -----------------------------------------------------------------------
 
@@ -298,6 +306,9 @@ class UntrustedTemplate:
         return self._receive(self._timeout + 30.0, loading=True)
 
     def _kill(self) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()
+            return
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.kill()
@@ -335,6 +346,8 @@ class UntrustedTemplate:
         raise TemplateError(f"{cls_name}: {message}", 500)
 
     def _call(self, method: str, payload: Any) -> Any:
+        if self._pid != os.getpid():
+            self._after_fork()  # a fresh worker of the child's own below
         with self._lock:
             if self._conn is not None and not self._conn.in_sync:
                 self._kill()  # an interrupted call's answer would come next: a fresh worker instead
@@ -351,6 +364,9 @@ class UntrustedTemplate:
 
     def close(self) -> None:
         """Stop the worker (it is also stopped when the object is collected)."""
+        if self._pid != os.getpid():
+            self._after_fork()
+            return
         with self._lock:
             self._kill()
 
