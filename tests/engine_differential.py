@@ -4,11 +4,13 @@ fuzz corpus. A rewrite that changes one byte anywhere is dropped (docs/performan
 
     python tests/engine_differential.py --reference REF_CORE.so [--json OUT] [--requests N] [--mutants M]
 
-``REF_CORE.so`` is a ``_core`` module built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF``
-(``.ci/run`` builds one):
+``REF_CORE.so`` is a ``_core`` module built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF`` (``.ci/run``
+builds one, also with ``LLAMAPROMPT_BLOCK_CACHE=OFF``: the process's own operator new, as
+upstream's engine runs; the block cache changes no output either way):
 
     pip wheel --no-deps --no-build-isolation -Cbuild-dir=build/upstream-engine \\
-        -Ccmake.define.LLAMAPROMPT_ENGINE_REWRITES=OFF -w build/upstream-engine-dist .
+        -Ccmake.define.LLAMAPROMPT_ENGINE_REWRITES=OFF -Ccmake.define.LLAMAPROMPT_BLOCK_CACHE=OFF \\
+        -w build/upstream-engine-dist .
 
 Both modules run the same cases, each in its own process (the installed llamaprompt
 package, and a copy of it whose ``_core`` is the reference): for each template, its load
