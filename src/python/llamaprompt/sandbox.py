@@ -163,7 +163,7 @@ class _PipeConnection:
         # consumed before `_pending` is cleared: an exception from a signal handler anywhere here
         # leaves either the whole answer in the buffer or the call counted as interrupted (never
         # an answer read as the next call's)
-        data = bytes(self._buf[8 : 8 + n])
+        data = self._buf[8 : 8 + n]  # a copy (one pass over the answer)
         del self._buf[: 8 + n]
         self._pending = False
         return pickle.loads(data)
