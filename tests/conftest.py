@@ -9,6 +9,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from functools import cache
@@ -224,3 +226,25 @@ def interrupt_next_receive(owner) -> None:
         raise KeyboardInterrupt
 
     owner._receive = interrupted
+
+
+# the start of the fork tests' scripts: wait_for_child(pid) waits up to 30 s for a forked child,
+# then kills it and prints "child: hung" (the state a lock held at the fork left it in)
+_WAIT_FOR_CHILD = """
+import os, time
+def wait_for_child(pid, seconds=30.0):
+    for _ in range(int(seconds * 10)):
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    print("child: hung", flush=True)
+"""
+
+
+def run_forking_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (which forks and calls ``wait_for_child(pid)``) in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-c", _WAIT_FOR_CHILD + script, *args], capture_output=True, text=True, timeout=120
+    )

@@ -26,6 +26,7 @@ from conftest import (
     interrupt_next_receive,
     mask_dates,
     reference_template,
+    run_forking_script,
     shared_reference_dir,
     template_path,
 )
@@ -571,7 +572,7 @@ def test_stuck_worker_times_out(other_core, monkeypatch):
 
 
 FORK_WHILE_A_WORKER_STARTS = """
-import os, sys, threading, time
+import sys, threading
 import llamaprompt
 from llamaprompt import remote
 held, release = threading.Event(), threading.Event()
@@ -587,14 +588,7 @@ if pid == 0:
     print("child:", t.apply_template({"messages": [{"role": "user", "content": "rendered"}]}), flush=True)
     os._exit(0)
 release.set()
-for _ in range(600):
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    time.sleep(0.1)
-else:
-    os.kill(pid, 9)
-    print("child: hung")
+wait_for_child(pid)
 """
 
 
@@ -602,9 +596,7 @@ else:
 def test_a_child_forked_while_a_worker_starts_gets_its_own(other_core):
     # the lock that guards the process's workers stayed held in a child forked while another
     # thread of the parent was starting one: the child's first remote template hung for good
-    proc = subprocess.run(
-        [sys.executable, "-c", FORK_WHILE_A_WORKER_STARTS, OTHER], capture_output=True, text=True, timeout=120
-    )
+    proc = run_forking_script(FORK_WHILE_A_WORKER_STARTS, OTHER)
     assert (proc.returncode, proc.stdout.strip()) == (0, "child: rendered"), proc.stderr
 
 

@@ -3,12 +3,13 @@ the calling process, and ordinary results equal ChatTemplate's."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
 import llamaprompt
-from conftest import interrupt_next_receive, load_reference, template_path
+from conftest import interrupt_next_receive, load_reference, run_forking_script, template_path
 from llamaprompt.sandbox import UntrustedTemplate
 
 REQ = {"messages": [{"role": "user", "content": "hi"}]}
@@ -111,7 +112,6 @@ def test_an_interrupted_call_never_hands_its_answer_to_the_next():
 def test_pipe_connection_frames_large_and_back_to_back_messages():
     # the worker's pipe: messages larger than the pipe's buffer arrive in many reads, and several
     # small ones can arrive in one read; each recv() must return exactly one message, in order
-    import os
     import threading
 
     from llamaprompt.sandbox import _PipeConnection
@@ -134,7 +134,6 @@ def test_pipe_connection_frames_large_and_back_to_back_messages():
 
 
 FORK_WHILE_A_CALL_HOLDS_THE_LOCK = """
-import os, sys, time
 from llamaprompt.sandbox import UntrustedTemplate
 u = UntrustedTemplate("{{ messages[0]['content'] }}")
 u.apply_template({"messages": [{"role": "user", "content": "parent"}]})
@@ -144,26 +143,14 @@ if pid == 0:
     print("child:", u.apply_template({"messages": [{"role": "user", "content": "child"}]}), flush=True)
     os._exit(0)
 u._lock.release()
-for _ in range(300):
-    done, _status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    time.sleep(0.1)
-else:
-    os.kill(pid, 9)
-    print("child: hung")
+wait_for_child(pid)
 print("parent:", u.apply_template({"messages": [{"role": "user", "content": "parent again"}]}))
 """
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_uses_a_worker_of_its_own():
     # the child inherited the template's lock held by a parent's call (it waited for good) and
     # the parent's worker and pipes (a call could reach the parent's worker)
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-c", FORK_WHILE_A_CALL_HOLDS_THE_LOCK], capture_output=True, text=True, timeout=120
-    )
+    proc = run_forking_script(FORK_WHILE_A_CALL_HOLDS_THE_LOCK)
     assert (proc.returncode, proc.stdout.split("\n")[:2]) == (0, ["child: child", "parent: parent again"]), proc.stderr
