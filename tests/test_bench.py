@@ -146,10 +146,10 @@ def test_instruction_count_benchmark(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     mine, theirs = (int(c.replace(",", "")) for c in cells[1:3])
     assert 100_000 < mine < 100_000_000
-    # the same module from two places: the same count but for a bias of up to 2.5% seen between
-    # the installed package and its copy (Qwen3 641.7 k vs 627.0 k in some environments, equal
-    # in others; its cause was not found: docs/performance.md)
-    assert abs(mine - theirs) <= mine * 0.03, row
+    # the same module from two places: the same count, within where malloc finds room (0.3% seen).
+    # A bias of up to 2.5% (Qwen3 641.7 k vs 627.0 k) was the block cache's sized frees chosen in
+    # one process and not in the other, by the state of the heap (docs/performance.md)
+    assert abs(mine - theirs) <= mine * 0.01, row
     bad = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
 

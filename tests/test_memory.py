@@ -73,6 +73,66 @@ def test_block_cache_is_built_where_it_applies():
         and platform.machine() in ("x86_64", "aarch64")
     )
     assert _core.BLOCK_CACHE is expected
+    if expected:
+        # glibc's malloc: a sized delete's size gives the block's class (no malloc_usable_size call)
+        assert _core.BLOCK_CACHE_MODE == "sized"
+
+
+def _glibc_usable(n: int) -> int:
+    """glibc's malloc_usable_size of a fresh malloc(n) on a 64-bit target, where malloc splits a
+    chunk of exactly the size n needs (16-byte chunks, an 8-byte header, at least 32 bytes)."""
+    return max(32, (n + 8 + 15) // 16 * 16) - 8
+
+
+@pytest.mark.skipif(not _core.BLOCK_CACHE, reason="no block cache in this build")
+def test_sized_frees_need_blocks_at_least_their_class():
+    sizes = [_glibc_usable(n) for n in range(537)]
+    assert _core._block_sizes_fit(sizes)
+    # malloc gives a whole free chunk when the rest would be too small to split off: malloc(24) may
+    # get a 48-byte chunk (40 usable) instead of 32 -- still room for its class
+    larger = list(sizes)
+    larger[24] = 40
+    larger[100] += 16
+    assert _core._block_sizes_fit(larger)
+    # a malloc whose block for 100 bytes is smaller than its class's 104: every free asks instead
+    smaller = list(sizes)
+    smaller[100] = 100
+    assert not _core._block_sizes_fit(smaller)
+    assert not _core._block_sizes_fit(sizes[:100])  # sizes up to the largest class (520) are checked
+
+
+LARGER_BLOCKS = r"""
+import json, llamaprompt
+from llamaprompt import _core
+t = llamaprompt.ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+print(json.dumps([_core.BLOCK_CACHE_MODE, t.apply_template({"messages": [{"role": "user", "content": "x" * 300}]})]))
+"""
+
+
+@pytest.mark.skipif(not _core.BLOCK_CACHE, reason="no block cache in this build")
+def test_sized_frees_with_blocks_larger_than_asked_for(tmp_path):
+    # glibc's malloc hands out a whole free chunk when the rest would be too small to split off, so
+    # which small mallocs get a larger block depends on the heap's state when the module loads. The
+    # check that chooses sized frees had required every block to be exactly of its request's class:
+    # in some processes it failed, and every free asked malloc_usable_size (~900 calls per Qwen3
+    # request). Here a preloaded malloc gives every request of up to 24 bytes a 40-byte block.
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if os.environ.get("LD_PRELOAD"):
+        pytest.skip("another library is preloaded")
+    src = tmp_path / "larger.c"
+    src.write_text(
+        "#include <stddef.h>\n"
+        "void * __libc_malloc(size_t n);\n"
+        "void * malloc(size_t n) { return __libc_malloc(n <= 24 ? 40 : n); }\n"
+    )
+    lib = tmp_path / "liblarger.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True, capture_output=True)
+    env = dict(os.environ, LD_PRELOAD=str(lib))
+    proc = subprocess.run([sys.executable, "-c", LARGER_BLOCKS], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == ["sized", "<user>" + "x" * 300]
 
 
 PRELOADED_OPERATOR_NEW = r"""

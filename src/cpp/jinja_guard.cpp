@@ -15,13 +15,19 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-thread_local clock::time_point deadline = clock::time_point::max();
-thread_local double budget_seconds = 0;
-thread_local size_t max_bytes = 0;
-thread_local uint32_t steps = 0;
-thread_local uint64_t fired = 0;
+// one thread's limits and counters, in one constant-initialized object: a step (every
+// statement and expression) looks up the module's thread-local storage once, not once per
+// variable (in a dlopen-ed module each lookup is a call to __tls_get_addr)
+struct guard_state {
+    clock::time_point deadline = clock::time_point::max();
+    double budget_seconds = 0;
+    size_t max_bytes = 0;
+    uint64_t fired = 0;
+    uintptr_t stack_floor = 1;  // 1: not computed yet; 0: unknown (no check)
+    uint32_t steps = 0;
+};
+thread_local guard_state state;
 thread_local std::string last_fired;  // the message of the last guard that fired here
-thread_local uintptr_t stack_floor = 1;  // 1: not computed yet; 0: unknown (no check)
 
 // the lowest stack address execution may reach: half of this thread's stack stays in reserve
 uintptr_t compute_stack_floor() {
@@ -45,15 +51,15 @@ uintptr_t compute_stack_floor() {
 }
 
 [[noreturn]] void fire(const std::string & what) {
-    ++fired;
+    ++state.fired;
     last_fired = what;
     throw std::runtime_error(what);
 }
 
 void check_time() {
-    if (clock::now() > deadline) {
+    if (clock::now() > state.deadline) {
         char buf[64];
-        snprintf(buf, sizeof(buf), "%g", budget_seconds);
+        snprintf(buf, sizeof(buf), "%g", state.budget_seconds);
         fire(std::string("template execution exceeded the time budget (") + buf + " s)");
     }
 }
@@ -61,40 +67,45 @@ void check_time() {
 }  // namespace
 
 jinja_budget::jinja_budget(const jinja_limits & limits)
-    : prev_deadline_(deadline), prev_max_bytes_(max_bytes), prev_seconds_(budget_seconds) {
-    budget_seconds = limits.seconds;
+    : prev_deadline_(state.deadline), prev_max_bytes_(state.max_bytes), prev_seconds_(state.budget_seconds) {
+    guard_state & g = state;
+    g.budget_seconds = limits.seconds;
     // more than ~30 years (or inf) would overflow the clock: no deadline
-    deadline = limits.seconds > 0 && limits.seconds < 1e9
-                   ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(limits.seconds))
-                   : clock::time_point::max();
-    max_bytes = limits.max_bytes;
+    g.deadline = limits.seconds > 0 && limits.seconds < 1e9
+                     ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(limits.seconds))
+                     : clock::time_point::max();
+    g.max_bytes = limits.max_bytes;
 }
 
 jinja_budget::~jinja_budget() {
-    deadline = prev_deadline_;
-    max_bytes = prev_max_bytes_;
-    budget_seconds = prev_seconds_;
+    guard_state & g = state;
+    g.deadline = prev_deadline_;
+    g.max_bytes = prev_max_bytes_;
+    g.budget_seconds = prev_seconds_;
 }
 
-uint64_t jinja_guard_fired() { return fired; }
+uint64_t jinja_guard_fired() { return state.fired; }
 
 std::string jinja_guard_last_message() { return last_fired; }
 
 void jinja_guard_step() {
-    if (stack_floor == 1) {
-        stack_floor = compute_stack_floor();
+    guard_state & g = state;
+    const uint32_t steps = ++g.steps;
+    uintptr_t floor = g.stack_floor;
+    if (floor == 1) {
+        floor = g.stack_floor = compute_stack_floor();
     }
     char probe;
-    if (stack_floor != 0 && reinterpret_cast<uintptr_t>(&probe) < stack_floor) {
+    if (floor != 0 && reinterpret_cast<uintptr_t>(&probe) < floor) {
         fire("template nested too deeply (half of the thread's stack used)");
     }
-    if ((++steps & 63) == 0) {
+    if ((steps & 63) == 0) {
         check_time();
     }
 }
 
 void jinja_guard_tick() {
-    if ((++steps & 4095) == 0) {
+    if ((++state.steps & 4095) == 0) {
         check_time();
     }
 }
@@ -102,6 +113,7 @@ void jinja_guard_tick() {
 void jinja_guard_size(size_t bytes, size_t parts) {
     // a part costs ~40 bytes of memory besides its text: count it as 32
     const size_t cost = (bytes > SIZE_MAX / 2 || parts > SIZE_MAX / 64) ? SIZE_MAX : bytes + parts * 32;
+    const size_t max_bytes = state.max_bytes;
     if (max_bytes != 0 && cost > max_bytes) {
         fire("template execution exceeded the size budget (a value of " + std::to_string(bytes) + " bytes in " +
              std::to_string(parts) + " parts > " + std::to_string(max_bytes) + " bytes)");

@@ -180,7 +180,7 @@ struct process_allocator {
     new_fn scalar_new = nullptr, array_new = nullptr;
     delete_fn scalar_delete = nullptr, array_delete = nullptr;
     bool cache = true;
-    bool sized = false;  // a block's class follows from the size it was asked for (sizes_follow_requests)
+    bool sized = false;  // a block's class follows from the size it was asked for (sized_frees_fit)
 };
 
 bool defined_in(void * symbol, const char * library) {
@@ -188,22 +188,33 @@ bool defined_in(void * symbol, const char * library) {
     return symbol != nullptr && dladdr(symbol, &info) != 0 && info.dli_fname && std::strstr(info.dli_fname, library);
 }
 
-// whether malloc(n) has a block of class request_class(n) for every n that a class holds (and one of
-// no class above): true of glibc's malloc (see request_class), checked rather than assumed, since
-// the process's malloc may be another (a preloaded jemalloc or mimalloc, glibc's memory tagging)
-bool sizes_follow_requests() noexcept {
-    for (std::size_t n = 0; n <= largest + 16; ++n) {
-        void * p = std::malloc(n);
-        if (p == nullptr) {
-            return false;
-        }
-        const bool same = block_class(malloc_usable_size(p)) == request_class(n);
-        std::free(p);
-        if (!same) {
+// whether a sized free may file a block under the class its size asked for: every block malloc(n)
+// gives, for n up to the largest class, holds at least that class's capacity. True of glibc's
+// malloc, whose block for n bytes is of class request_class(n) -- or larger, when the free chunk it
+// takes is too small to split (the rest would be under malloc's minimum): which happens depends on
+// the heap's state, so only "at least" can be checked once for good. Checked rather than assumed,
+// since the process's malloc may be another (a preloaded jemalloc or mimalloc, glibc's memory
+// tagging). usable_of(n, u) sets u to the usable size of a block of malloc(n) (false: none).
+template <class UsableOf> bool sized_frees_fit(UsableOf usable_of) noexcept {
+    for (std::size_t n = 0; n <= largest; ++n) {
+        std::size_t usable = 0;
+        if (!usable_of(n, usable) || usable < capacity(request_class(n))) {
             return false;
         }
     }
     return true;
+}
+
+bool malloc_sized_frees_fit() noexcept {
+    return sized_frees_fit([](std::size_t n, std::size_t & usable) {
+        void * p = std::malloc(n);
+        if (p == nullptr) {
+            return false;
+        }
+        usable = malloc_usable_size(p);
+        std::free(p);
+        return true;
+    });
 }
 
 // valgrind's tools that track the heap (memcheck, helgrind, drd, massif, dhat) preload a library
@@ -235,7 +246,7 @@ const process_allocator & process() noexcept {
             r.array_delete = reinterpret_cast<process_allocator::delete_fn>(dlsym(RTLD_DEFAULT, "_ZdaPv"));
             r.cache = !(r.array_new && r.scalar_delete && r.array_delete);  // (all four, or none used)
         }
-        r.sized = sizes_follow_requests();
+        r.sized = malloc_sized_frees_fit();
         return r;
     }();
     return a;
@@ -243,7 +254,7 @@ const process_allocator & process() noexcept {
 
 // What new and delete do in this process, looked up once (one byte read per call after that):
 // 1 the cache, and a sized delete's size gives the block's class (a block asked for n bytes, by
-// libstdc++'s operator new or this one, is of class request_class(n): sizes_follow_requests);
+// libstdc++'s operator new or this one, holds class request_class(n)'s capacity: sized_frees_fit);
 // 2 the cache, the class from malloc_usable_size (a malloc whose usable sizes are its own);
 // 3 the process's operator new / delete (process_allocator).
 enum : unsigned char { unknown = 0, cache_sized = 1, cache_usable = 2, forward = 3 };
@@ -325,6 +336,24 @@ void operator delete[](void * p, const std::nothrow_t &) noexcept { delete_block
 
 bool llamaprompt::block_cache_active() noexcept { return process().cache; }
 
+const char * llamaprompt::block_cache_mode() noexcept {
+    switch (mode()) {
+        case cache_sized: return "sized";
+        case cache_usable: return "usable";
+        default: return "forward";
+    }
+}
+
+bool llamaprompt::block_sizes_fit(const std::vector<std::size_t> & usable) noexcept {
+    return sized_frees_fit([&](std::size_t n, std::size_t & u) {
+        if (n >= usable.size()) {
+            return false;
+        }
+        u = usable[n];
+        return true;
+    });
+}
+
 // std::string's out-of-line members (_M_create, _M_mutate, reserve, ...): libstdc++ declares them
 // an explicit instantiation of its own (extern template), so the module's strings grew through
 // libstdc++'s copies and their operator new. Instantiated here too (the same code, from the same
@@ -335,5 +364,7 @@ template class std::basic_string<char>;
 #else
 
 bool llamaprompt::block_cache_active() noexcept { return false; }
+const char * llamaprompt::block_cache_mode() noexcept { return "off"; }
+bool llamaprompt::block_sizes_fit(const std::vector<std::size_t> &) noexcept { return false; }
 
 #endif

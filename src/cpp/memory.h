@@ -1,6 +1,8 @@
 #pragma once
 
+#include <cstddef>
 #include <cstdlib>  // defines __GLIBC__ (features.h)
+#include <vector>
 
 // Whether memory.cpp replaces the module's operator new / delete with its per-thread block cache:
 // asked for (LLAMAPROMPT_BLOCK_CACHE, CMakeLists.txt) and glibc on a 64-bit target whose chunk
@@ -15,4 +17,13 @@ namespace llamaprompt {
 // whether the module's allocations go through the block cache in this process: built with it, and
 // the process's operator new is libstdc++'s (not a sanitizer's, valgrind's or a host's own)
 bool block_cache_active() noexcept;
+// how the module's operator new / delete work in this process: "sized" (the block cache; a sized
+// delete's size gives the block's class), "usable" (the block cache; every delete asks
+// malloc_usable_size for the class), "forward" (the process's operator new / delete), "off" (a
+// build without the cache)
+const char * block_cache_mode() noexcept;
+// the check that chooses "sized" (memory.cpp sized_frees_fit) on given sizes instead of malloc's:
+// usable[n] is the usable size of malloc(n)'s block, n = 0 .. usable.size() - 1 (for tests; false
+// in a build without the cache)
+bool block_sizes_fit(const std::vector<std::size_t> & usable) noexcept;
 }  // namespace llamaprompt
