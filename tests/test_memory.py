@@ -87,18 +87,18 @@ def _glibc_usable(n: int) -> int:
 @pytest.mark.skipif(not _core.BLOCK_CACHE, reason="no block cache in this build")
 def test_sized_frees_need_blocks_at_least_their_class():
     sizes = [_glibc_usable(n) for n in range(537)]
-    assert _core._block_sizes_fit(sizes)
+    assert _core.block_sizes_fit(sizes)
     # malloc gives a whole free chunk when the rest would be too small to split off: malloc(24) may
     # get a 48-byte chunk (40 usable) instead of 32 -- still room for its class
     larger = list(sizes)
     larger[24] = 40
     larger[100] += 16
-    assert _core._block_sizes_fit(larger)
+    assert _core.block_sizes_fit(larger)
     # a malloc whose block for 100 bytes is smaller than its class's 104: every free asks instead
     smaller = list(sizes)
     smaller[100] = 100
-    assert not _core._block_sizes_fit(smaller)
-    assert not _core._block_sizes_fit(sizes[:100])  # sizes up to the largest class (520) are checked
+    assert not _core.block_sizes_fit(smaller)
+    assert not _core.block_sizes_fit(sizes[:100])  # sizes up to the largest class (520) are checked
 
 
 LARGER_BLOCKS = r"""

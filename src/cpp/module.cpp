@@ -38,7 +38,7 @@ PYBIND11_MODULE(_core, m) {
     // how: "sized", "usable" (the cache), "forward" (the process's operator new), "off" (not built)
     m.attr("BLOCK_CACHE_MODE") = llamaprompt::block_cache_mode();
     // tests: the check that chooses "sized", on usable sizes given per request size 0, 1, 2, ...
-    m.def("_block_sizes_fit", &llamaprompt::block_sizes_fit, py::arg("usable"));
+    m.def("block_sizes_fit", &llamaprompt::block_sizes_fit, py::arg("usable"));
     m.attr("CAPS_KEYS") = llamaprompt::caps_keys();
 
     // llama.cpp's common log is silent inside a library unless asked for
