@@ -24,7 +24,7 @@ inline pybind11::object text_to_py(const std::string & s) {
 // A result that echoes the request (llama_params) can be nested as deeply as a request may be
 // (1000 levels, parse_body) -- deeper than Python's decoder reaches from inside a call (its
 // recursion limit counts the caller's frames): a RequestError then, as for a deeper request,
-// rather than a RecursionError from inside llamaprompt (remote.py TOO_DEEP_FOR_PYTHON: the same text).
+// rather than a RecursionError from inside llamaprompt (errors.py TOO_DEEP_FOR_PYTHON: the same text).
 inline pybind11::object json_text_to_py(const std::string & s) {
     try {
         return pybind11::module_::import("json").attr("loads")(text_to_py(s));

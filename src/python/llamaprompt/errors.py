@@ -57,6 +57,13 @@ class RequestError(Error, ValueError):
     """A request llama-server rejects with HTTP 400."""
 
 
+# src/cpp/text.h json_text_to_py's message for a result deeper than Python's recursion limit allows
+# at the caller's stack depth; the same for the Python-side echoes of such a request
+TOO_DEEP_FOR_PYTHON = (
+    "request is nested too deeply (its echo exceeds Python's recursion limit at this call's stack depth)"
+)
+
+
 class TemplateError(Error, RuntimeError):
     """HTTP 500 from llama-server, or a template that cannot be loaded (status None)."""
 

@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from . import _core
-from .errors import RequestError
+from .errors import TOO_DEEP_FOR_PYTHON, RequestError
 from .text import utf8 as _utf8
 from .tree import require
 
@@ -30,9 +30,7 @@ def output_parser(
     try:
         llama_params = json.dumps(params.llama_params, ensure_ascii=False)
     except RecursionError:  # an echo as deep as the request may be, from a deep caller
-        raise RequestError(
-            "request is nested too deeply (its echo exceeds Python's recursion limit at this call's stack depth)", 400
-        ) from None
+        raise RequestError(TOO_DEEP_FOR_PYTHON, 400) from None
     parser: _core.OutputParser = template._lib.OutputParser(
         llama_params.encode("utf-8", "surrogateescape"),
         [*template._core_server_args],

@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from .cores import CORE_ENV, Core
-from .errors import CoreError, RequestError
+from .errors import TOO_DEEP_FOR_PYTHON, CoreError, RequestError
 from .sandbox import _PipeConnection
 
 __all__ = ["RemoteCore", "remote_core"]
@@ -38,11 +38,6 @@ __all__ = ["RemoteCore", "remote_core"]
 #: (``$LLAMAPROMPT_CORE_TIMEOUT``). The core's own budgets (``timeout=``, 10 s by default)
 #: answer long before; this catches a worker that is stopped or stuck.
 CALL_TIMEOUT = float(os.environ.get("LLAMAPROMPT_CORE_TIMEOUT", "300"))
-
-# the message of src/cpp/text.h json_text_to_py for a result deeper than Python can take
-TOO_DEEP_FOR_PYTHON = (
-    "request is nested too deeply (its echo exceeds Python's recursion limit at this call's stack depth)"
-)
 
 _CONSTANTS = ("LLAMA_CPP_COMMIT", "LLAMA_CPP_SOURCE", "LLAMA_CPP_DIR", "TREE_INFO_JSON", "CAPS_KEYS", "SOURCE_HASH")
 
