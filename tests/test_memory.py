@@ -101,12 +101,34 @@ def test_sized_frees_need_blocks_at_least_their_class():
     assert not _core.block_sizes_fit(sizes[:100])  # sizes up to the largest class (520) are checked
 
 
-LARGER_BLOCKS = r"""
+PRELOADED_RENDER = r"""
 import json, llamaprompt
 from llamaprompt import _core
 t = llamaprompt.ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
-print(json.dumps([_core.BLOCK_CACHE_MODE, t.apply_template({"messages": [{"role": "user", "content": "x" * 300}]})]))
+prompt = t.apply_template({"messages": [{"role": "user", "content": "x" * 300}]})
+print(json.dumps([_core.BLOCK_CACHE, _core.BLOCK_CACHE_MODE, prompt]))
 """
+
+
+def _render_with_preloaded(tmp_path, compilers, source_name, source):
+    """[BLOCK_CACHE, BLOCK_CACHE_MODE, prompt] of a render in a process that preloads ``source``
+    (compiled with the first of ``compilers`` found; skips without one, or when something is
+    preloaded already)."""
+    compiler = next(filter(None, map(shutil.which, compilers)), None)
+    if compiler is None:
+        pytest.skip(f"no compiler ({' / '.join(compilers)})")
+    if os.environ.get("LD_PRELOAD"):
+        pytest.skip("another library is preloaded")
+    src = tmp_path / source_name
+    src.write_text(source)
+    lib = tmp_path / "libpreloaded.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True, capture_output=True)
+    env = dict(os.environ, LD_PRELOAD=str(lib))
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELOADED_RENDER], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
 
 
 @pytest.mark.skipif(not _core.BLOCK_CACHE, reason="no block cache in this build")
@@ -116,42 +138,20 @@ def test_sized_frees_with_blocks_larger_than_asked_for(tmp_path):
     # check that chooses sized frees had required every block to be exactly of its request's class:
     # in some processes it failed, and every free asked malloc_usable_size (~900 calls per Qwen3
     # request). Here a preloaded malloc gives every request of up to 24 bytes a 40-byte block.
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    if os.environ.get("LD_PRELOAD"):
-        pytest.skip("another library is preloaded")
-    src = tmp_path / "larger.c"
-    src.write_text(
+    larger = (
         "#include <stddef.h>\n"
         "void * __libc_malloc(size_t n);\n"
         "void * malloc(size_t n) { return __libc_malloc(n <= 24 ? 40 : n); }\n"
     )
-    lib = tmp_path / "liblarger.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True, capture_output=True)
-    env = dict(os.environ, LD_PRELOAD=str(lib))
-    proc = subprocess.run([sys.executable, "-c", LARGER_BLOCKS], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout) == ["sized", "<user>" + "x" * 300]
-
-
-PRELOADED_OPERATOR_NEW = r"""
-import ctypes, json, llamaprompt
-from llamaprompt import _core
-t = llamaprompt.ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
-print(json.dumps([_core.BLOCK_CACHE, t.apply_template({"messages": [{"role": "user", "content": "x" * 300}]})]))
-"""
+    got = _render_with_preloaded(tmp_path, ("cc", "gcc"), "larger.c", larger)
+    assert got == [True, "sized", "<user>" + "x" * 300]
 
 
 @pytest.mark.skipif(not _core.BLOCK_CACHE, reason="no block cache in this build")
 def test_cache_steps_aside_for_another_operator_new(tmp_path):
     # a process whose operator new is not libstdc++'s (here: a preloaded library defining one, as
     # AddressSanitizer's runtime or valgrind's memcheck do) gets the module's allocations through it
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    src = tmp_path / "opnew.cpp"
-    src.write_text(
+    opnew = (
         "#include <cstdlib>\n#include <new>\n"
         "void * operator new(std::size_t n) {\n"
         "    if (void * p = std::malloc(n ? n : 1)) return p;\n"
@@ -159,14 +159,8 @@ def test_cache_steps_aside_for_another_operator_new(tmp_path):
         "}\n"
         "void operator delete(void * p) noexcept { std::free(p); }\n"
     )
-    lib = tmp_path / "libopnew.so"
-    subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], check=True, capture_output=True)
-    env = dict(os.environ, LD_PRELOAD=str(lib))
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELOADED_OPERATOR_NEW], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout) == [False, "<user>" + "x" * 300]
+    got = _render_with_preloaded(tmp_path, ("g++", "c++"), "opnew.cpp", opnew)
+    assert got == [False, "forward", "<user>" + "x" * 300]
 
 
 def _collect():
@@ -215,10 +209,10 @@ def test_cache_steps_aside_under_memcheck():
     # free()"); found by the library valgrind preloads for the tool. (memcheck's other reports,
     # on the interpreter and the dynamic loader, are not this test's.)
     proc = subprocess.run(
-        ["valgrind", "--leak-check=no", sys.executable, "-c", PRELOADED_OPERATOR_NEW],
+        ["valgrind", "--leak-check=no", sys.executable, "-c", PRELOADED_RENDER],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout) == [False, "<user>" + "x" * 300]
+    assert json.loads(proc.stdout) == [False, "forward", "<user>" + "x" * 300]
     assert "Mismatched free" not in proc.stderr
 
