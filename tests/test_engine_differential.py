@@ -33,7 +33,7 @@ def test_budget_errors_are_compared_by_kind_only():
     def recursion():
         raise llamaprompt.TemplateError(
             "While executing Identifier at line 3 ...\n"
-            "Error: template nested too deeply (half of the thread's stack used)",
+            "Error: template nested too deeply (half of the thread's stack, or 8 MiB, used)",
             500,
         )
 
@@ -65,7 +65,7 @@ def test_a_race_between_budgets_is_not_a_difference():
 
     timed_out = ed._outcome(raising("template execution exceeded the time budget (5.0 s)"))
     too_big = ed._outcome(raising("template execution exceeded the size budget (a value of 67239888 bytes ...)"))
-    too_deep = ed._outcome(raising("template nested too deeply (half of the thread's stack used)"))
+    too_deep = ed._outcome(raising("template nested too deeply (half of the thread's stack, or 8 MiB, used)"))
     wrong = ed._outcome(raising("unknown filter"))
     assert ed._stopped_by([timed_out]) == ["time"] and ed._stopped_by([too_big]) == ["size"]
     assert ed._stopped_by([too_deep, too_big, {"ok": "x"}]) == ["size", "stack"] and ed._stopped_by([wrong]) == []

@@ -100,6 +100,37 @@ def test_a_list_nested_deep_is_destroyed_without_crashing():
     assert proc.stdout.strip() == "['hi']"
 
 
+UNLIMITED_STACK = (
+    "import llamaprompt\n"
+    "try:\n"
+    "    llamaprompt.ChatTemplate('{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}', timeout=60)\n"
+    "except llamaprompt.TemplateError as e:\n"
+    "    print(e.message.splitlines()[-1])\n"
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the main thread's stack from RLIMIT_STACK is Linux's")
+def test_unbounded_recursion_with_an_unlimited_stack_raises():
+    # with `ulimit -s unlimited` the main thread's stack is the whole gap below it: half of it
+    # let a recursion run for gigabytes: it stopped only at the time budget (here 60 s: the
+    # message then names the time budget). The guard uses at most 8 MiB of any stack. In a
+    # child process whose RLIMIT_STACK is unlimited (where the hard limit allows it)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    if hard != resource.RLIM_INFINITY:
+        pytest.skip("the hard stack limit is finite here: no unlimited stack to test")
+
+    def unlimited() -> None:
+        resource.setrlimit(resource.RLIMIT_STACK, (resource.RLIM_INFINITY, hard))
+
+    proc = subprocess.run(
+        [sys.executable, "-c", UNLIMITED_STACK], capture_output=True, text=True, timeout=600, preexec_fn=unlimited
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "template nested too deeply" in proc.stdout, proc.stdout
+
+
 def test_bounded_recursion_is_untouched():
     src = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(500) }}{{ messages[0].content }}"
     assert llamaprompt.ChatTemplate(src).apply_template(HI) == "hi"

@@ -29,7 +29,17 @@ struct guard_state {
 thread_local guard_state state;
 thread_local std::string last_fired;  // the message of the last guard that fired here
 
-// the lowest stack address execution may reach: half of this thread's stack stays in reserve
+// how deep execution may go below where the thread's stack begins: half of the stack, at most
+// 8 MiB. The cap matters where the stack has no real limit (`ulimit -s unlimited`: the main
+// thread's stack is then the whole gap below it, and runaway recursion ran into the time
+// budget after ~2 GB of stack); no real template comes near it (Qwen3's uses ~30 KiB)
+constexpr size_t max_stack_depth = size_t(8) << 20;
+
+size_t usable_depth(size_t stack_size) {
+    return stack_size / 2 < max_stack_depth ? stack_size / 2 : max_stack_depth;
+}
+
+// the lowest stack address execution may reach
 uintptr_t compute_stack_floor() {
 #if defined(__linux__)
     pthread_attr_t attr;
@@ -40,11 +50,11 @@ uintptr_t compute_stack_floor() {
     size_t size = 0;
     const int rc = pthread_attr_getstack(&attr, &addr, &size);
     pthread_attr_destroy(&attr);
-    return rc == 0 && size > 0 ? reinterpret_cast<uintptr_t>(addr) + size / 2 : 0;
+    return rc == 0 && size > 0 ? reinterpret_cast<uintptr_t>(addr) + size - usable_depth(size) : 0;
 #elif defined(__APPLE__)
     const uintptr_t top = reinterpret_cast<uintptr_t>(pthread_get_stackaddr_np(pthread_self()));
     const size_t size = pthread_get_stacksize_np(pthread_self());
-    return top - size / 2;
+    return top - usable_depth(size);
 #else
     return 0;
 #endif
@@ -97,7 +107,7 @@ void jinja_guard_step() {
     }
     char probe;
     if (floor != 0 && reinterpret_cast<uintptr_t>(&probe) < floor) {
-        fire("template nested too deeply (half of the thread's stack used)");
+        fire("template nested too deeply (half of the thread's stack, or 8 MiB, used)");
     }
     if ((steps & 63) == 0) {
         check_time();

@@ -166,8 +166,8 @@ class ChatTemplate:
             (loading included); ``None``: none. llama.cpp's Jinja engine has no limit;
             llamaprompt checks the clock every 64 execution steps and in ``range()``,
             and raises TemplateError when it has passed. Also on by default: a template
-            that recurses until half of the thread's stack is used raises TemplateError
-            instead of crashing the process. A single huge built-in operation is not
+            that recurses until half of the thread's stack (at most 8 MiB) is used raises
+            TemplateError instead of crashing the process. A single huge built-in operation is not
             interruptible: for untrusted templates use :class:`llamaprompt.sandbox.UntrustedTemplate`
             (a worker process with memory and time limits).
         max_output_bytes: the largest value (in bytes, counting llama.cpp's per-part and
