@@ -251,15 +251,15 @@ def test_a_tree_without_handler_files_has_no_stop_points(tree, tmp_path):
 def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
     tree = handler_tree
     # facts from reading common/parsers/*.cpp: ling3 and minimax-m3 read the generation prompt
-    # after it is computed; gemma4 appends "<|turn>model\n" to a prompt that ends with
-    # "<turn|>\n", in an if block right after the generation prompt (a prompt fix-up: it
-    # stops after a copy of that block); every other handler's code after its prompt reads
-    # only non-message inputs
+    # after it is computed (by its render alone: they stop right after it, keyed on it);
+    # gemma4 appends "<|turn>model\n" to a prompt that ends with "<turn|>\n", in an if block
+    # right after the generation prompt (a prompt fix-up: it stops after a copy of that block);
+    # every other handler's code after its prompt reads only non-message inputs
     assert _run(tree, tmp_path).returncode == 0
     verdicts = _info(tmp_path)["prompt_only_handlers"]
-    excluded = {n for n, v in verdicts.items() if v != "prompt-only"}
-    assert excluded == {"common_chat_params_init_ling3", "common_chat_params_init_minimax_m3"}
-    assert "reads the generation prompt" in verdicts["common_chat_params_init_ling3"]
+    after = {n for n, v in verdicts.items() if v == "prompt-only after its generation prompt"}
+    assert after == {"common_chat_params_init_ling3", "common_chat_params_init_minimax_m3"}
+    assert all(v == "prompt-only" for n, v in verdicts.items() if n not in after), verdicts
     copy = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").read_text()
     # the stop point, on the generation prompt's own line (line numbers kept by #line 1)
     assert copy.splitlines()[1] == "#line 1"
@@ -267,7 +267,10 @@ def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
     stop = [i for i, x in enumerate(copy.splitlines()[2:]) if "llamaprompt_prompt_ready(data.prompt, __func__);" in x]
     assert len(stop) == 1 and "data.generation_prompt" in original[stop[0]]
     ling3 = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "ling3.cpp").read_text()
-    assert "llamaprompt_prompt_ready(" not in ling3  # its copy has the render reuse only
+    assert "llamaprompt_prompt_ready(" not in ling3
+    # its stop point: right after the generation prompt's statement, on that line
+    stop = [x for x in ling3.splitlines() if "llamaprompt_prompt_ready_after(" in x]
+    assert stop == [LING3_GEN.rstrip("\n") + " " + LING3_STOP]
     # gemma4's copy: on the generation prompt's line, the fix-up block's copy (comments removed,
     # literals kept) then the stop, when armed; the rest of the file as it was
     gemma4 = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "gemma4.cpp").read_text()
@@ -285,6 +288,40 @@ def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
         "data.prompt += data.generation_prompt; } llamaprompt_prompt_stop(data.prompt); } "
     )
     assert "llamaprompt_prompt_ready(" not in gemma4
+
+
+LING3 = "common/parsers/ling3.cpp"
+LING3_GEN = "    data.generation_prompt = common_chat_template_generation_prompt_impl(tmpl, inputs);\n"
+LING3_STOP = "llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__);"
+# edits of ling3 after its generation prompt as upstream might write them; whether the probe
+# keeps its stop point after the generation prompt, and the reason given when not
+LING3_EDITS = [
+    (True, LING3_GEN, LING3_GEN + '    if (data.generation_prompt.empty()) { throw std::runtime_error("x"); }\n', None),
+    (True, LING3_GEN, LING3_GEN + "    data.preserved_tokens = { data.generation_prompt };\n", None),
+    (False, LING3_GEN, LING3_GEN.replace(");", ') + "\\n";'), "not computed by its render alone"),
+    (
+        False,
+        LING3_GEN,
+        LING3_GEN.replace("(tmpl, inputs)", "(tmpl, inputs, std::nullopt, std::nullopt, std::nullopt)"),
+        "not computed by its render alone",
+    ),
+    (False, LING3_GEN, LING3_GEN + '    if (inputs.messages.empty()) { throw std::runtime_error("x"); }\n', "messages"),
+    (False, LING3_GEN, LING3_GEN + "    data.grammar = data.prompt;\n", "reads or changes the prompt"),
+    (False, LING3_GEN, LING3_GEN + "    auto when = inputs.now;\n", "not in the key"),
+]
+
+
+@pytest.mark.parametrize(("kept", "old", "new", "reason"), LING3_EDITS)
+def test_handler_probe_after_the_generation_prompt(handler_tree, tmp_path, kept, old, new, reason):
+    tree = handler_tree
+    _edit(tree / LING3, old, new)
+    assert _run(tree, tmp_path).returncode == 0
+    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_ling3"]
+    assert (verdict == "prompt-only after its generation prompt") == kept, verdict
+    copy = tmp_path / "out" / "generated" / "mirror" / LING3
+    assert (copy.exists() and LING3_STOP in copy.read_text()) == kept
+    if reason:
+        assert reason in verdict
 
 
 # edits of gemma4's prompt fix-up block (after its generation prompt) as upstream might write
@@ -931,13 +968,21 @@ def test_handler_choice_on_edited_trees(tree, tmp_path, inserted, reason):
 
 # the render without add_generation_prompt taken from the prompt's identical render (no_gen_reuse_*)
 CHAT_COPY = ("generated", "chat.cpp")
-NO_GEN_CALL = "llamaprompt_no_gen_render(&inputs, !inputs.add_generation_prompt, [&] { return "
+NO_GEN_CALL = "llamaprompt_no_gen_render_first(&inputs, !inputs.add_generation_prompt, [&] { return "
+GEN_CALL = "llamaprompt_gen_render(&inputs, inputs.add_generation_prompt, [&] { return "
+NO_GEN_ONLY_CALL = "llamaprompt_no_gen_render(&inputs, !inputs.add_generation_prompt, [&] { return "
 GUARD = "llamaprompt_rendered_prompt llamaprompt_rendered_prompt_guard(data.prompt, &inputs);"
 # facts from reading common/parsers/*.cpp: the handlers whose prompt statement is directly
 # followed by their generation-prompt statement with the same arguments (gpt-oss renders its
 # prompt into a local and changes it first; muse-glimmer renders no generation prompt)
 ADJACENT_HANDLERS = {"cohere2moe", "deepseek", "functionary-v3-2", "gemma4", "gigachat-v3", "kimi-k2", "kimi-k3",
                      "lfm2", "ling3", "minicpm5", "minimax-m3", "ministral3", "qwen3-coder"}
+
+
+def _reuse_calls(tmp_path: Path) -> list[str]:
+    """The render reuse calls in generation_prompt_impl's copy."""
+    chat = (tmp_path / "out").joinpath(*CHAT_COPY).read_text()
+    return [c for c in (NO_GEN_CALL, GEN_CALL, NO_GEN_ONLY_CALL) if c in chat]
 
 
 def _guarded_files(tmp_path: Path) -> set[str]:
@@ -953,6 +998,10 @@ def test_no_generation_prompt_render_reuse_on_the_tree(handler_tree, tmp_path):
     # inside generation_prompt_impl, in place of its first render
     impl = chat.index("std::string common_chat_template_generation_prompt_impl(")
     assert impl < chat.index(NO_GEN_CALL) < chat.index("params.add_generation_prompt = true;", impl)
+    # and in place of its second render, for requests with add_generation_prompt
+    assert chat.count(GEN_CALL) == 1
+    assert chat.index("params.add_generation_prompt = true;", impl) < chat.index(GEN_CALL)
+    assert NO_GEN_ONLY_CALL not in chat
     assert _guarded_files(tmp_path) == ADJACENT_HANDLERS | {"chat-auto-parser-generator"}
     # the guard on the prompt statement's last line, the stop point still on the next line
     copy = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()
@@ -960,6 +1009,18 @@ def test_no_generation_prompt_render_reuse_on_the_tree(handler_tree, tmp_path):
     assert copy[at].startswith("    data.prompt            = common_chat_template_direct_apply_impl(tmpl, inputs);")
     assert copy[at + 1].startswith("    llamaprompt_prompt_ready(data.prompt, __func__); data.generation_prompt")
     assert len(copy) == len((tree / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()) + 2
+
+
+def test_generation_prompt_render_reuse_needs_the_expected_second_render(handler_tree, tmp_path):
+    # the render with add_generation_prompt written otherwise (here: without the overrides): only
+    # the render without it takes the prompt's (and clears it for later renders)
+    second = "    std::string gen_prompt       = common_chat_template_direct_apply_impl(tmpl, params, "
+    _edit(handler_tree / "common/chat.cpp", second + "messages_override, tools_override, additional_context);",
+          second + "std::nullopt, tools_override, additional_context);")
+    assert _run(handler_tree, tmp_path).returncode == 0
+    chat = (tmp_path / "out").joinpath(*CHAT_COPY).read_text()
+    assert chat.count(NO_GEN_ONLY_CALL) == 1 and NO_GEN_CALL not in chat and GEN_CALL not in chat
+    assert "render with add_generation_prompt is not written as expected" in " ".join(_info(tmp_path)["notes"])
 
 
 @pytest.mark.parametrize(
@@ -982,7 +1043,7 @@ def test_no_generation_prompt_render_reuse_on_the_tree(handler_tree, tmp_path):
 def test_no_generation_prompt_render_reuse_needs_the_same_render(handler_tree, tmp_path, rel, old, new, note):
     _edit(handler_tree / rel, old, new)
     assert _run(handler_tree, tmp_path).returncode == 0
-    assert NO_GEN_CALL not in (tmp_path / "out").joinpath(*CHAT_COPY).read_text()
+    assert not _reuse_calls(tmp_path)
     assert not _guarded_files(tmp_path)
     assert note in " ".join(_info(tmp_path)["notes"])
 
@@ -1015,7 +1076,7 @@ def test_no_generation_prompt_render_reuse_is_an_engine_rewrite(handler_tree, tm
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    assert NO_GEN_CALL not in (tmp_path / "out").joinpath(*CHAT_COPY).read_text()
+    assert not _reuse_calls(tmp_path)
     assert not _guarded_files(tmp_path)
 
 

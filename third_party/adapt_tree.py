@@ -1271,15 +1271,23 @@ def tojson_edits(tree: Tree, notes: list[str]) -> list[Edit]:
 # the text shows that (the probe below), the build-tree copies hand the prompt just rendered to
 # generation_prompt_impl (a guard declared after the prompt's statement, consumed by the next
 # generation-prompt render on this thread for the same inputs object), which uses it instead of
-# rendering it again (src/cpp/shim_chat.cpp llamaprompt_no_gen_render). The two renders of
-# upstream differ only if the template reads the clock (strftime_now) across a second boundary.
-NO_GEN_REUSE = "generation prompt: the render without add_generation_prompt taken from the prompt's identical render"
+# rendering it again (src/cpp/shim_chat.cpp llamaprompt_no_gen_render). For a request with
+# add_generation_prompt, the second render (add_generation_prompt on, the continuation off) is the
+# prompt's render again, by the same argument: that one takes it instead (llamaprompt_gen_render).
+# The two renders of upstream differ only if the template reads the clock (strftime_now) across a
+# second boundary.
+NO_GEN_REUSE = ("generation prompt: the render without add_generation_prompt (or, for a request with it, the render "
+                "with it) taken from the prompt's identical render")
 NO_GEN_HEAD = ("    autoparser::generation_params params = inputs;\n"
                "    params.add_generation_prompt = false;\n"
                "    params.continue_final_message = COMMON_CHAT_CONTINUATION_NONE;\n"
                "    std::string no_gen_prompt    = ")
 NO_GEN_RENDER = ("common_chat_template_direct_apply_impl(tmpl, params, messages_override, tools_override, "
                  "additional_context)")
+# its second render, with add_generation_prompt: for a request with add_generation_prompt, the
+# prompt's render again as well (the copy still differs from the inputs only in the continuation)
+GEN_AGAIN = ("    params.add_generation_prompt = true;\n"
+             "    std::string gen_prompt       = ")
 # the fields the copy changes: the render must read neither (add_generation_prompt: the request's is off)
 NO_GEN_CHANGED = ("continue_final_message", "has_continuation")
 RENDER_FUNCS = ("common_chat_template_direct_apply_impl", "common_chat_template_generation_prompt_impl")
@@ -1411,11 +1419,19 @@ def no_gen_reuse_rewrites(tree: Tree, notes: list[str], handlers: list[Rewrite],
                      f"add_generation_prompt ({'; '.join(problems)})")
         return handlers
     forward = _wrappers_forward(code_only(tree.read("common/chat.cpp")))
-    probed.setdefault("common/chat.cpp", []).extend(
-        [Edit(NO_GEN_HEAD + NO_GEN_RENDER + ";\n",
-              NO_GEN_HEAD + "llamaprompt_no_gen_render(&inputs, !inputs.add_generation_prompt, [&] { return "
-              + NO_GEN_RENDER + "; });\n", speed=NO_GEN_REUSE)]
-        + no_gen_reuse_edits(tree, "common/chat.cpp", forward))
+    both = NO_GEN_HEAD + NO_GEN_RENDER + ";\n" + GEN_AGAIN + NO_GEN_RENDER + ";\n"
+    if tree.read("common/chat.cpp").count(both) == 1:  # the render with add_generation_prompt too
+        impl = Edit(both, NO_GEN_HEAD + "llamaprompt_no_gen_render_first(&inputs, !inputs.add_generation_prompt, "
+                    "[&] { return " + NO_GEN_RENDER + "; });\n" + GEN_AGAIN
+                    + "llamaprompt_gen_render(&inputs, inputs.add_generation_prompt, [&] { return "
+                    + NO_GEN_RENDER + "; });\n", speed=NO_GEN_REUSE)
+    else:
+        notes.append("common/chat.cpp: generation_prompt_impl's render with add_generation_prompt is not written "
+                     "as expected: the prompt's render stands only for its render without it")
+        impl = Edit(NO_GEN_HEAD + NO_GEN_RENDER + ";\n",
+                    NO_GEN_HEAD + "llamaprompt_no_gen_render(&inputs, !inputs.add_generation_prompt, [&] { return "
+                    + NO_GEN_RENDER + "; });\n", speed=NO_GEN_REUSE)
+    probed.setdefault("common/chat.cpp", []).extend([impl] + no_gen_reuse_edits(tree, "common/chat.cpp", forward))
     folder = tree.root / HANDLER_DIR
     files = [f"{HANDLER_DIR}/{p.name}" for p in sorted(folder.glob("*.cpp"))] if folder.is_dir() else []
     by_file = {rw.rel: rw for rw in handlers}
@@ -1475,6 +1491,13 @@ HANDLER_DEF = re.compile(r"common_chat_params\s+(common_chat_params_init_\w+)\s*
 STOP_STATEMENT = re.compile(r"\bdata\.generation_prompt\s*=(?!=)")
 CONTINUATION_BLOCK = re.compile(r"if\s*\(\s*inputs\.has_continuation\(\)\s*\)\s*\{")
 PROMPT_READY = "llamaprompt_prompt_ready(data.prompt, __func__); "
+# A handler whose code after the prompt reads the generation prompt as well (ling3 and minimax-m3
+# look for an unclosed think tag in it) stops right after the generation prompt's own statement
+# instead, when that statement is its render alone: the code after it then depends on the keyed
+# inputs and the generation prompt only, and the memo's key holds both (src/cpp/shim_chat.cpp
+# llamaprompt_prompt_ready_after). Its two renders still run; the parser and grammar do not.
+PROMPT_READY_AFTER = " llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__);"
+PROMPT_ONLY_AFTER = "prompt-only after its generation prompt"
 IDENT = r"(?<![.>:\w])[A-Za-z_]\w*\b"
 # names that are not a handler's locals (keywords, types, its parameters and result)
 NOT_LOCALS = {"auto", "const", "static", "constexpr", "bool", "int", "size_t", "if", "else", "for", "while",
@@ -1624,14 +1647,17 @@ def _without_calls(code: str, functions: tuple[str, ...]) -> str:
 RENDERS = ("common_chat_template_direct_apply_impl", "common_chat_template_generation_prompt_impl")
 
 
-def _after_prompt_problems(after: str, messages: str, whole_inputs: str) -> list[str]:
-    """What the code ``after`` a stop point must not do: read or change the prompt or the
+def _after_prompt_problems(after: str, messages: str, whole_inputs: str,
+                           generation_prompt_known: bool = False) -> list[str]:
+    """What the code ``after`` a stop point must not do: read or change the prompt or (unless
+    ``generation_prompt_known``: the stop point follows its render and keys on it) the
     generation prompt, pass its result on, read ``messages`` (a regex of the names that carry
     them), catch exceptions, pass ``inputs`` whole (searched in ``whole_inputs``), or read an
     ``inputs`` field that the parser-inputs key leaves out."""
     after_result = re.sub(r"\breturn\s+data\s*;", " ", after)  # the function's own result
+    generation_prompt = r"(?!)" if generation_prompt_known else r"\bdata\s*\.\s*generation_prompt\b"
     checks = ((after_result, r"\bdata\s*\.\s*prompt\b", "reads or changes the prompt"),
-              (after_result, r"\bdata\s*\.\s*generation_prompt\b", "reads the generation prompt"),
+              (after_result, generation_prompt, "reads the generation prompt"),
               (after_result, r"\bdata\b(?!\s*\.\s*\w)", "passes its result on or copies it"),
               (after_result, rf"\b({messages})\b", "reads the messages"),
               (after_result, r"\b(try|catch)\b", "catches exceptions"),
@@ -1718,12 +1744,17 @@ def _text_problems(raw: str, code: str) -> list[str]:
 
 
 def _prompt_only_problems(body: str, stop: re.Match, macros: set[str],
-                          fixup: tuple[int, int] | None = None) -> list[str]:
+                          fixup: tuple[int, int] | None = None, after_generation_prompt: bool = False) -> list[str]:
     """Why the handler body cannot stop at ``stop`` (empty: it can), or, with ``fixup`` (the
-    span of a prompt fix-up block), after that block. Conservative: text rules that a handler
-    written another way fails, never the reverse (tests/test_adapt_tree.py)."""
+    span of a prompt fix-up block), after that block, or, with ``after_generation_prompt``,
+    right after the generation prompt's statement (which must then be its render alone), keyed
+    on the generation prompt. Conservative: text rules that a handler written another way
+    fails, never the reverse (tests/test_adapt_tree.py)."""
     before = body[:stop.start()]
     problems = []
+    if after_generation_prompt and GENERATION_PROMPT_RENDER.fullmatch(
+            body, stop.start(), body.find(";", stop.end()) + 1) is None:
+        problems.append("the generation prompt is not computed by its render alone")
     if before.count("{") != before.count("}"):
         problems.append("the generation prompt is not assigned at the function's top level")
     end = fixup[1] - 1 if fixup else body.find(";", stop.end())
@@ -1732,7 +1763,8 @@ def _prompt_only_problems(body: str, stop: re.Match, macros: set[str],
     if cont:  # a continuation never takes the prompt-only path
         close = _block_end(after, cont.end() - 1)
         after = after[:cont.start()] + after[close + 1:]
-    problems += _after_prompt_problems(after, "messages", re.sub(r"\breturn\s+data\s*;", " ", after))
+    problems += _after_prompt_problems(after, "messages", re.sub(r"\breturn\s+data\s*;", " ", after),
+                                       generation_prompt_known=after_generation_prompt)
     if re.search(r"\b(try|catch)\b", before):
         problems.append("it catches exceptions")
     # aliases made before the prompt: of the result, of the inputs, captured by a lambda
@@ -1793,10 +1825,21 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
                     problems, insert = [], FIXUP_ARMED + block + FIXUP_READY
                 elif fixup is not None:
                     problems.append("with its prompt fix-up block: " + "; ".join(fixup_problems))
+            verdict = "prompt-only"
+            at = open_at + 1 + stop.start()
+            after_problems = (_prompt_only_problems(body, stop, macros, after_generation_prompt=True)
+                              if problems and stop is not None else [])
+            if problems and stop is not None and not after_problems:
+                # the stop point right after the generation prompt's statement, keyed on it
+                problems, insert, verdict = [], PROMPT_READY_AFTER, PROMPT_ONLY_AFTER
+                at = open_at + 1 + body.find(";", stop.end()) + 1
+                if "\n" in text[open_at + 1 + stop.start():at]:
+                    problems.append("the generation prompt's statement spans lines")
+            elif after_problems:
+                problems.append("after its generation prompt: " + "; ".join(after_problems))
             if problems:
                 verdicts[name] = "; ".join(problems)
                 continue
-            at = open_at + 1 + stop.start()
             # the statement's own text, unique in the file with its line's start
             line_start = text.rfind("\n", 0, at) + 1
             old = text[line_start:text.find("\n", at)]
@@ -1804,7 +1847,7 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
                 verdicts[name] = "its generation-prompt line is not unique in the file"
                 continue
             edits.append(Edit(old, old[:at - line_start] + insert + old[at - line_start:]))
-            verdicts[name] = "prompt-only"
+            verdicts[name] = verdict
         if edits:
             rewrites.append(Rewrite(rel, f"mirror/{rel}", edits))
     if not verdicts:

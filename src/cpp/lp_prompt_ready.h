@@ -25,13 +25,22 @@ void llamaprompt_prompt_ready(const std::string & prompt, const char * handler);
 bool llamaprompt_prompt_stop_armed(const char * handler);
 [[noreturn]] void llamaprompt_prompt_stop(const std::string & prompt);
 
+// The stop point of a handler whose code after the prompt reads the generation prompt too
+// (adapt_tree.py PROMPT_READY_AFTER: ling3 and minimax-m3 look for an unclosed think tag in it),
+// put right after the generation prompt's statement when that is its render alone. In a
+// prompt-only call it ends the handler with `prompt` once these non-message inputs *and this
+// generation prompt* produced the handler's params without error; otherwise it records that
+// key, added to the memo when the handler finishes (src/cpp/shim_chat.cpp).
+void llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
+                                    const char * handler);
+
 // The prompt's render handed to the generation prompt (adapt_tree.py no_gen_reuse_edits, an
 // engine rewrite): declared right after `data.prompt = <render>(ARGS);` where the next statement
 // is `data.generation_prompt = <generation prompt>(ARGS);` with the same arguments. The next
-// common_chat_template_generation_prompt_impl on this thread, for the same inputs object and a
-// request without add_generation_prompt, takes `prompt` as its render without
-// add_generation_prompt -- the same call's result (src/cpp/shim_chat.cpp,
-// llamaprompt_no_gen_render) -- instead of rendering the template again.
+// common_chat_template_generation_prompt_impl on this thread, for the same inputs object, takes
+// `prompt` as its render without add_generation_prompt (a request without it) or as its render
+// with it (a request with it) -- the same call's result (src/cpp/shim_chat.cpp,
+// llamaprompt_reuse_render) -- instead of rendering the template again.
 class llamaprompt_rendered_prompt {
   public:
     llamaprompt_rendered_prompt(const std::string & prompt, const void * inputs);

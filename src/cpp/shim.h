@@ -51,6 +51,11 @@ struct handler_state {
     bool prompt_only_used = false;  // out: the prompt-only path was taken
     bool stop_at_prompt = false;    // a specialized handler ends at its prompt (lp_prompt_ready.h)
     const char * stop_point = nullptr;  // out: the specialized handler that passed its stop point
+    // a stop point after the generation prompt (llamaprompt_prompt_ready_after): the memo key of
+    // this call's non-message inputs while it may stop there, then the key with the generation
+    // prompt, to add to the memo when the handler finishes without error
+    const std::string * key_before_generation_prompt = nullptr;
+    std::string key_with_generation_prompt;
     // in (benchmarks): called with the template and generation_params the autoparser path renders
     std::function<void(const common_chat_template &, const autoparser::generation_params &)> on_generate;
     // in (template_inputs): each render of this request -- its Jinja context, as

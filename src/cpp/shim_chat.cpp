@@ -90,6 +90,28 @@ void llamaprompt_prompt_stop(const std::string & prompt) {
     throw llamaprompt::prompt_ready{prompt};
 }
 
+void llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
+                                    const char * handler) {
+    using namespace llamaprompt;
+    handler_state * st = current_handler;
+    if (!st) {
+        return;
+    }
+    if (handler) {
+        st->stop_point = handler;
+    }
+    if (!st->key_before_generation_prompt || !st->memo) {
+        return;
+    }
+    std::string key = *st->key_before_generation_prompt + "\x1fgeneration_prompt:" + generation_prompt;
+    st->key_before_generation_prompt = nullptr;  // one stop point per call
+    if (memo_knows(*st->memo, key)) {
+        st->stop_at_prompt = false;
+        throw prompt_ready{prompt};
+    }
+    st->key_with_generation_prompt = std::move(key);
+}
+
 // the call of common_chat_try_specialized_template in common_chat_templates_apply_jinja.
 // The prompt-only path (as llamaprompt_generate_parser's below, for the handlers whose file
 // has a stop point): once a handler produced its params without error for these non-message
@@ -119,6 +141,19 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
         }
     }
     std::optional<common_chat_params> result;
+    // a handler whose stop point follows its generation prompt decides there (with the key)
+    struct after_generation_prompt {
+        handler_state * st;
+        ~after_generation_prompt() {
+            if (st) {
+                st->key_before_generation_prompt = nullptr;
+            }
+        }
+    } armed_after{!key.empty() && st->prompt_only ? st : nullptr};
+    if (armed_after.st) {
+        st->key_before_generation_prompt = &key;
+        st->key_with_generation_prompt.clear();
+    }
     if (!key.empty() && st->prompt_only && memo_knows(*st->memo, key)) {
         common_chat_params data;
         if (stopped_at_prompt(*st, [&]() { return common_chat_try_specialized_template(tmpl, src, params); }, result,
@@ -127,7 +162,15 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
             return data;
         }
     } else {
-        result = common_chat_try_specialized_template(tmpl, src, params);
+        try {
+            result = common_chat_try_specialized_template(tmpl, src, params);
+        } catch (prompt_ready & ready) {  // a stop point after the generation prompt, its key known good
+            st->prompt_only_used = true;
+            st->specialized_used = true;
+            common_chat_params data;
+            data.prompt = std::move(ready.prompt);
+            return data;
+        }
     }
     if (st) {
         st->specialized_used = result.has_value();
@@ -136,6 +179,10 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
         memo_set_takes_handler(*st->memo, tmpl, result.has_value());
     }
     if (result && !key.empty()) {
+        if (!st->key_with_generation_prompt.empty()) {
+            memo_add(*st->memo, std::move(st->key_with_generation_prompt));
+            st->key_with_generation_prompt.clear();
+        }
         memo_add(*st->memo, std::move(key));
     }
     return result;
@@ -435,21 +482,42 @@ llamaprompt_rendered_prompt::~llamaprompt_rendered_prompt() {
     llamaprompt::rendered_prompt = {prev_prompt_, prev_inputs_};
 }
 
-// replaces the render without add_generation_prompt in common_chat_template_generation_prompt_impl
-// (adapt_tree.py no_gen_reuse_problems: its inputs' copy differs from `inputs` only in fields that
-// common_chat_template_direct_apply_impl does not read, and in add_generation_prompt, off here when
-// `no_generation_prompt`): the prompt its caller rendered with the same arguments just before, if
-// there is one for these inputs, else render() -- always render() while template_inputs records
-// every render of the request
+// replaces a render of common_chat_template_generation_prompt_impl (adapt_tree.py
+// no_gen_reuse_problems: its inputs' copy differs from `inputs` only in fields that
+// common_chat_template_direct_apply_impl does not read, and in add_generation_prompt): the prompt
+// its caller rendered with the same arguments just before, if there is one for these inputs and
+// `same_render` (the copy's add_generation_prompt is the request's), else render() -- always
+// render() while template_inputs records every render of the request. `last_use`: the prompt is
+// handed to no later render (each generation_prompt_impl call's last replaced render clears it)
 template <typename Render>
-static std::string llamaprompt_no_gen_render(const void * inputs, bool no_generation_prompt, Render && render) {
+static std::string llamaprompt_reuse_render(const void * inputs, bool same_render, bool last_use, Render && render) {
     const llamaprompt::rendered_prompt_state known = llamaprompt::rendered_prompt;
-    llamaprompt::rendered_prompt = {};  // for this render only
+    if (last_use) {
+        llamaprompt::rendered_prompt = {};
+    }
     const llamaprompt::handler_state * st = llamaprompt::current_handler;
-    if (known.prompt && known.inputs == inputs && no_generation_prompt && !(st && st->renders)) {
+    if (known.prompt && known.inputs == inputs && same_render && !(st && st->renders)) {
         return *known.prompt;
     }
     return render();
+}
+
+// the render without add_generation_prompt (the only one replaced: a tree whose second render,
+// with add_generation_prompt, is not written as expected)
+template <typename Render>
+static std::string llamaprompt_no_gen_render(const void * inputs, bool no_generation_prompt, Render && render) {
+    return llamaprompt_reuse_render(inputs, no_generation_prompt, true, std::forward<Render>(render));
+}
+
+// the render without add_generation_prompt, then the one with it (both replaced)
+template <typename Render>
+static std::string llamaprompt_no_gen_render_first(const void * inputs, bool no_generation_prompt, Render && render) {
+    return llamaprompt_reuse_render(inputs, no_generation_prompt, false, std::forward<Render>(render));
+}
+
+template <typename Render>
+static std::string llamaprompt_gen_render(const void * inputs, bool generation_prompt, Render && render) {
+    return llamaprompt_reuse_render(inputs, generation_prompt, true, std::forward<Render>(render));
 }
 
 #include "thread_safe_time.h"
