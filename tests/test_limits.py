@@ -100,6 +100,39 @@ def test_a_list_nested_deep_is_destroyed_without_crashing():
     assert proc.stdout.strip() == "['hi']"
 
 
+DEEP_CHAIN = (
+    "import gc, threading, llamaprompt\n"
+    "chain = '{{ 1' + ' + 1' * 20000 + ' }}'\n"
+    "out = []\n"
+    "def run():\n"
+    "    t = llamaprompt.ChatTemplate('{% if false %}' + chain + '{% endif %}{{ messages[0].content }}')\n"
+    "    out.append(t.apply_template({'messages': [{'role': 'user', 'content': 'hi'}]}))\n"
+    "    del t\n"
+    "    gc.collect()\n"
+    "    try:\n"
+    "        llamaprompt.ChatTemplate(chain)\n"
+    "    except llamaprompt.TemplateError as e:\n"
+    "        out.append('nested too deeply' in e.message)\n"
+    "threading.stack_size(256 * 1024)\n"
+    "th = threading.Thread(target=run)\n"
+    "th.start()\n"
+    "th.join()\n"
+    "print(out)\n"
+)
+
+
+def test_a_deep_syntax_tree_is_freed_without_crashing():
+    # `1 + 1 + ...` (20,000 terms) parses iteratively into a left-deep tree: in a branch never
+    # taken it loaded and rendered, then freeing it -- each node's destructor releasing its
+    # child, a recursion no guard can stop -- killed the process (SIGSEGV on a 256 KiB thread
+    # stack; 10^6 terms on 8 MiB). Rendering it raises the stack guard's error, and freeing the
+    # template that failed to load crashed the same way. The deleter of runtime.h's `statement`
+    # now releases a tree through a worklist. In a child process: a crash must not kill pytest
+    proc = subprocess.run([sys.executable, "-c", DEEP_CHAIN], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "['hi', True]"
+
+
 UNLIMITED_STACK = (
     "import llamaprompt\n"
     "try:\n"

@@ -287,6 +287,67 @@ inline void llamaprompt_release_children(std::vector<value> & arr,
 
 """
 
+# A syntax tree is released node by node through std::unique_ptr<statement>, each node's destructor
+# releasing its children: a recursion as deep as the tree, which no guard can stop. The parser
+# builds a chain of binary operators (`1 + 1 + ...`), filters or member accesses iteratively, so
+# a template of 20,000 terms in a branch never taken parsed and rendered, then killed the process
+# when it was freed (SIGSEGV; 10^6 terms on an 8 MiB stack, and llama-server too). The deleter of
+# `statement` (std::default_delete<jinja::statement>, specialized right after the forward
+# declaration: an empty class as before, so no layout changes) now hands a node to one worklist
+# per thread, drained by the outermost release: the same nodes deleted, iteratively.
+STATEMENT_FWD = "struct statement;\nusing statement_ptr = std::unique_ptr<statement>;\n"
+STATEMENT_DELETER = """struct statement;
+// llamaprompt (a robustness rewrite, see its adapt_tree.py): a syntax tree is released through
+// one worklist per thread (llamaprompt_release_statement, defined after struct statement)
+void llamaprompt_release_statement(statement * p) noexcept;
+}  // namespace jinja
+namespace std {
+template <> struct default_delete<jinja::statement> {
+    constexpr default_delete() noexcept = default;
+    template <typename U, typename = std::enable_if_t<std::is_convertible_v<U *, jinja::statement *>>>
+    default_delete(const default_delete<U> &) noexcept {}
+    void operator()(jinja::statement * p) const noexcept { jinja::llamaprompt_release_statement(p); }
+};
+}  // namespace std
+namespace jinja {
+using statement_ptr = std::unique_ptr<statement>;
+"""
+STATEMENT_END = """    [[noreturn]] void throw_exec_error() const {
+        throw std::runtime_error("cannot exec " + type());
+    }
+};
+"""
+RELEASE_STATEMENT = """
+// llamaprompt (a robustness rewrite, see its adapt_tree.py): the nodes that deleting `p` releases
+// (its children, through this deleter) go through one worklist per thread, drained by the
+// outermost release, not recursively
+inline void llamaprompt_release_statement(statement * p) noexcept {
+    static thread_local std::vector<statement *> * draining = nullptr;
+    if (p == nullptr) {
+        return;
+    }
+    if (draining) {
+        try {
+            draining->push_back(p);
+            return;
+        } catch (...) {
+            delete p;  // no memory for the worklist: released here, as before
+            return;
+        }
+    }
+    std::vector<statement *> own;
+    draining = &own;
+    delete p;  // may hand its children to `own`
+    while (!own.empty()) {
+        statement * q = own.back();
+        own.pop_back();
+        delete q;
+    }
+    draining = nullptr;
+}
+"""
+STATEMENT_LOST = "a syntax tree ~10^5 deep (a long operator chain) overflows the stack when freed (the process dies)"
+
 BUILTIN_MISS = "member access by name: no undefined value built and dropped when the name is no built-in"
 
 REWRITES = [
@@ -708,6 +769,11 @@ HEADER_REWRITES = [
 """, speed="string equality (object-key lookups): no copies of single-part strings"),
     ]),
     Rewrite("common/jinja/runtime.h", "", [
+        # a syntax tree released iteratively (STATEMENT_DELETER above)
+        Edit(STATEMENT_FWD, STATEMENT_DELETER, requires=("common/jinja/runtime.h", "std::unique_ptr<statement>"),
+             lost=STATEMENT_LOST),
+        Edit(STATEMENT_END, STATEMENT_END + RELEASE_STATEMENT,
+             requires=("common/jinja/runtime.h", "std::unique_ptr<statement>"), lost=STATEMENT_LOST),
         # printing a value gathers the parts of a list recursively: the stack guard there too
         # (VALUE_RECURSION_GUARD above; its declaration first, at file scope)
         Edit("#pragma once\n",
