@@ -549,11 +549,22 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
         "    virtual ~value_t() { if (!val_arr.empty() || !val_obj.empty()) "
         "llamaprompt_release_children(val_arr, val_obj); }"
     ]
-    # runtime.h keeps its stack guard (not a speed rewrite): only lines added
+    # runtime.h keeps its stack guard and its syntax trees' worklist deleter (not speed
+    # rewrites): only lines added -- the guard's two, and the deleter's specialization (between
+    # the forward declaration of `statement` and its alias, namespace jinja closed and reopened
+    # around it) and its worklist after `struct statement`
     guarded = (mirrored / "jinja" / "runtime.h").read_text().splitlines()
     upstream = (tree / "common" / "jinja" / "runtime.h").read_text().splitlines()
-    assert [line for line in guarded if "llamaprompt" not in line] == upstream
-    assert len(guarded) == len(upstream) + 2
+    ops = [op for op in difflib.SequenceMatcher(None, upstream, guarded, autojunk=False).get_opcodes()
+           if op[0] != "equal"]
+    assert {op[0] for op in ops} == {"insert"}, ops
+    added = [guarded[op[3]:op[4]] for op in ops]
+    assert sum("llamaprompt" in line for block in added for line in block) >= 4
+    assert sum(len(block) for block in added if any("jinja_guard_step" in x or "llamaprompt_guard" in x
+                                                      for x in block)) >= 2
+    deleter = next(b for b in added if any("struct default_delete<jinja::statement>" in x for x in b))
+    assert "}  // namespace jinja" in deleter and "namespace jinja {" in deleter
+    assert any("inline void llamaprompt_release_statement(statement * p) noexcept {" in x for b in added for x in b)
     for rel in ("json.hpp", "json_fwd.hpp"):
         vendored = tree / "vendor" / "nlohmann" / rel
         assert (mirrored.parent / "vendor" / "nlohmann" / rel).read_bytes() == vendored.read_bytes()
