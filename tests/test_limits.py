@@ -133,6 +133,31 @@ def test_a_deep_syntax_tree_is_freed_without_crashing():
     assert proc.stdout.strip() == "['hi', True]"
 
 
+CALL_CHAIN = (
+    "import threading, llamaprompt\n"
+    "out = []\n"
+    "def run():\n"
+    "    try:\n"
+    "        llamaprompt.ChatTemplate('{{ f' + '()' * 20000 + ' }}')\n"
+    "    except llamaprompt.TemplateError as e:\n"
+    "        out.append('nested too deeply' in e.message)\n"
+    "threading.stack_size(256 * 1024)\n"
+    "th = threading.Thread(target=run)\n"
+    "th.start()\n"
+    "th.join()\n"
+    "print(out)\n"
+)
+
+
+def test_a_long_chain_of_calls_raises_at_load():
+    # `f()()()...`: the parser's call rule called itself once per argument list, the one
+    # recursion of the parser without the stack guard (20,000 calls on a 256 KiB thread stack,
+    # 200,000 on 8 MiB: SIGSEGV while the template loaded; a fresh user's report). In a child
+    proc = subprocess.run([sys.executable, "-c", CALL_CHAIN], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[True]"
+
+
 UNLIMITED_STACK = (
     "import llamaprompt\n"
     "try:\n"

@@ -452,6 +452,11 @@ REWRITES = [
              "auto false_expr = (llamaprompt::jinja_guard_step(), parse_if_expression())"),
         Edit("op, parse_logical_negation_expression())",
              "op, (llamaprompt::jinja_guard_step(), parse_logical_negation_expression()))"),
+        # `f()()()...`: parse_call_expression calls itself once per argument list
+        Edit("? parse_call_expression(std::move(member)) // foo.x()()",
+             "? (llamaprompt::jinja_guard_step(), parse_call_expression(std::move(member))) // foo.x()()",
+             requires=("common/jinja/parser.cpp", "statement_ptr parse_call_expression("),
+             lost="a chain of calls `f()()()...` ~10^5 long overflows the stack while the template loads"),
         Edit("op, parse_unary_expression())",
              "op, (llamaprompt::jinja_guard_step(), parse_unary_expression()))",
              requires=("common/jinja/parser.cpp", "statement_ptr parse_unary_expression()"),
