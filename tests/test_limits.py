@@ -100,25 +100,17 @@ def test_a_list_nested_deep_is_destroyed_without_crashing():
     assert proc.stdout.strip() == "['hi']"
 
 
-DEEP_CHAIN = (
-    "import gc, threading, llamaprompt\n"
-    "chain = '{{ 1' + ' + 1' * 20000 + ' }}'\n"
-    "out = []\n"
-    "def run():\n"
-    "    t = llamaprompt.ChatTemplate('{% if false %}' + chain + '{% endif %}{{ messages[0].content }}')\n"
-    "    out.append(t.apply_template({'messages': [{'role': 'user', 'content': 'hi'}]}))\n"
-    "    del t\n"
-    "    gc.collect()\n"
-    "    try:\n"
-    "        llamaprompt.ChatTemplate(chain)\n"
-    "    except llamaprompt.TemplateError as e:\n"
-    "        out.append('nested too deeply' in e.message)\n"
-    "threading.stack_size(256 * 1024)\n"
-    "th = threading.Thread(target=run)\n"
-    "th.start()\n"
-    "th.join()\n"
-    "print(out)\n"
-)
+def _on_a_small_thread(body: str) -> str:
+    """Run ``body`` (the lines of a function that appends to ``out``) on a thread with a 256 KiB
+    stack in a child process (a crash must not kill pytest); its ``out``, printed."""
+    script = (
+        "import gc, threading, llamaprompt\nout = []\ndef run():\n"
+        + "".join(f"    {line}\n" for line in body.strip("\n").splitlines())
+        + "threading.stack_size(256 * 1024)\nth = threading.Thread(target=run)\nth.start()\nth.join()\nprint(out)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
 
 
 def test_a_deep_syntax_tree_is_freed_without_crashing():
@@ -127,35 +119,32 @@ def test_a_deep_syntax_tree_is_freed_without_crashing():
     # child, a recursion no guard can stop -- killed the process (SIGSEGV on a 256 KiB thread
     # stack; 10^6 terms on 8 MiB). Rendering it raises the stack guard's error, and freeing the
     # template that failed to load crashed the same way. The deleter of runtime.h's `statement`
-    # now releases a tree through a worklist. In a child process: a crash must not kill pytest
-    proc = subprocess.run([sys.executable, "-c", DEEP_CHAIN], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "['hi', True]"
-
-
-CALL_CHAIN = (
-    "import threading, llamaprompt\n"
-    "out = []\n"
-    "def run():\n"
-    "    try:\n"
-    "        llamaprompt.ChatTemplate('{{ f' + '()' * 20000 + ' }}')\n"
-    "    except llamaprompt.TemplateError as e:\n"
-    "        out.append('nested too deeply' in e.message)\n"
-    "threading.stack_size(256 * 1024)\n"
-    "th = threading.Thread(target=run)\n"
-    "th.start()\n"
-    "th.join()\n"
-    "print(out)\n"
-)
+    # now releases a tree through a worklist
+    body = """
+chain = '{{ 1' + ' + 1' * 20000 + ' }}'
+t = llamaprompt.ChatTemplate('{% if false %}' + chain + '{% endif %}{{ messages[0].content }}')
+out.append(t.apply_template({'messages': [{'role': 'user', 'content': 'hi'}]}))
+del t
+gc.collect()
+try:
+    llamaprompt.ChatTemplate(chain)
+except llamaprompt.TemplateError as e:
+    out.append('nested too deeply' in e.message)
+"""
+    assert _on_a_small_thread(body) == "['hi', True]"
 
 
 def test_a_long_chain_of_calls_raises_at_load():
     # `f()()()...`: the parser's call rule called itself once per argument list, the one
     # recursion of the parser without the stack guard (20,000 calls on a 256 KiB thread stack,
-    # 200,000 on 8 MiB: SIGSEGV while the template loaded; a fresh user's report). In a child
-    proc = subprocess.run([sys.executable, "-c", CALL_CHAIN], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "[True]"
+    # 200,000 on 8 MiB: SIGSEGV while the template loaded; a fresh user's report)
+    body = """
+try:
+    llamaprompt.ChatTemplate('{{ f' + '()' * 20000 + ' }}')
+except llamaprompt.TemplateError as e:
+    out.append('nested too deeply' in e.message)
+"""
+    assert _on_a_small_thread(body) == "[True]"
 
 
 UNLIMITED_STACK = (
