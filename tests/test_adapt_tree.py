@@ -322,6 +322,9 @@ def test_handler_probe_after_the_generation_prompt(handler_tree, tmp_path, kept,
     assert (copy.exists() and LING3_STOP in copy.read_text()) == kept
     if reason:
         assert reason in verdict
+        # a problem of the code after the generation prompt belongs to both stop points: said once
+        problems = verdict.replace("after its generation prompt: ", "; ").split("; ")
+        assert len(problems) == len(set(problems)), verdict
 
 
 # edits of gemma4's prompt fix-up block (after its generation prompt) as upstream might write
@@ -536,19 +539,24 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert not [r for r in _info(tmp_path)["rewrites"] if r.get("engine") and r["applied"]]
-    # value.h keeps its destruction worklist (not a speed rewrite): a helper added around value_t,
-    # value_t's destructor given a body -- nothing else
+    # value.h keeps its robustness rewrites (not speed rewrites): the destruction worklist (a
+    # helper added around value_t, value_t's destructor given a body) and the guards of deep
+    # comparisons and hashes (HASH_DEPTH: lines added) -- nothing else
     off_value = (mirrored / "jinja" / "value.h").read_text().splitlines()
     upstream_value = (tree / "common" / "jinja" / "value.h").read_text().splitlines()
     ops = [op for op in difflib.SequenceMatcher(None, upstream_value, off_value, autojunk=False).get_opcodes()
            if op[0] != "equal"]
-    # (its declaration before value_t, the destructor's body, its definition after value_t)
-    assert [op[0] for op in ops] == ["insert", "replace", "insert"], ops
-    assert upstream_value[ops[1][1]:ops[1][2]] == ["    virtual ~value_t() = default;"]
-    assert off_value[ops[1][3]:ops[1][4]] == [
+    assert [op[0] for op in ops if op[0] != "insert"] == ["replace"], ops
+    replaced = next(op for op in ops if op[0] == "replace")
+    assert upstream_value[replaced[1]:replaced[2]] == ["    virtual ~value_t() = default;"]
+    assert off_value[replaced[3]:replaced[4]] == [
         "    virtual ~value_t() { if (!val_arr.empty() || !val_obj.empty()) "
         "llamaprompt_release_children(val_arr, val_obj); }"
     ]
+    added = [line for op in ops if op[0] == "insert" for line in off_value[op[3]:op[4]]]
+    # the guard in a list's is_hashable and ==, the bounded depth in a list's and an object's hash
+    assert sum(line.strip().startswith("::llamaprompt::jinja_guard_step();") for line in added) == 2
+    assert sum(line.strip().startswith("llamaprompt_hash_level level;") for line in added) == 2
     # runtime.h keeps its stack guard and its syntax trees' worklist deleter (not speed
     # rewrites): only lines added -- the guard's two, and the deleter's specialization (between
     # the forward declaration of `statement` and its alias, namespace jinja closed and reopened

@@ -157,6 +157,52 @@ UNLIMITED_STACK = (
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the main thread's stack from RLIMIT_STACK is Linux's")
+def _deep_tuples(depth: int, *names: str) -> str:
+    """A template fragment that nests each ``ns.<name>`` (starting as 0, or 1 for a name ending
+    in ``1``) in ``depth`` tuples: ``('a', ('a', ... ('a', 0)))``."""
+    start = ", ".join(f"{n}={1 if n.endswith('1') else 0}" for n in names)
+    sets = "".join(f"{{% set ns.{n} = ({{'a': ns.{n}}}.items()|first) %}}" for n in names)
+    return f"{{% set ns = namespace({start}) %}}{{% for i in range({depth}) %}}{sets}{{% endfor %}}"
+
+
+def test_deeply_nested_tuples_compare_and_hash_without_crashing():
+    # llama.cpp's is_hashable, == and a dict key's hash recursed once per level of a tuple,
+    # unguarded: 6,000 levels compared with == or used as a dict key killed the process (SIGSEGV
+    # on a 256 KiB thread stack; a fresh user's report). is_hashable and == pass the stack guard now
+    deep = _deep_tuples(6000, "t")
+    body = f"""
+for expr in ('{{{{ ns.t == ns.t }}}}', '{{% set d = {{ns.t: 1}} %}}{{{{ d[ns.t] }}}}'):
+    t = llamaprompt.ChatTemplate({_trap(deep + "EXPR")!r}.replace('EXPR', expr), timeout=None)
+    try:
+        out.append(t.apply_template({{'messages': [{{'role': 'user', 'content': 'trap'}}]}}))
+    except llamaprompt.TemplateError as e:
+        out.append('nested too deeply' in e.message)
+    out.append(t.apply_template({{'messages': [{{'role': 'user', 'content': 'hi'}}]}}))
+"""
+    assert _on_a_small_thread(body) == "[True, 'hi', True, 'hi']"
+
+
+def test_deep_dict_keys_are_found_by_equal_values():
+    # a hash leaves out what lies more than 256 levels below the key (it cannot throw): keys
+    # nested deeper are still found by an equal value built apart (b), and a value that differs
+    # only at the bottom (c1) is still not equal -- the facts of the template's own semantics
+    for depth in (10, 600):
+        src = _deep_tuples(depth, "a", "b", "c1") + (
+            "{% set d = {ns.a: 'found'} %}{{ d[ns.b] }} {{ ns.c1 in d }} {{ ns.b in d }} {{ ns.a == ns.c1 }}|"
+        )
+        assert llamaprompt.ChatTemplate(_trap(src)).apply_template(_on("trap")) == "found False True False|trap"
+
+
+def test_comparing_deep_tuples_stops_at_the_time_budget():
+    # each level of == walked the whole rest of the tuple (is_hashable) with no time check in
+    # between: 40,000 levels ran 25 s past a 1 s budget; each level passes the guard's clock now
+    t = llamaprompt.ChatTemplate(_trap(_deep_tuples(40000, "t") + "{{ ns.t == ns.t }}"), timeout=None)
+    t0 = time.monotonic()
+    with pytest.raises(llamaprompt.TemplateError, match=r"time budget \(1 s\)|nested too deeply"):
+        t.apply_template(_on("trap"), timeout=1)
+    assert time.monotonic() - t0 < 10
+
+
 def test_unbounded_recursion_with_an_unlimited_stack_raises():
     # with `ulimit -s unlimited` the main thread's stack is the whole gap below it: half of it
     # let a recursion run for gigabytes: it stopped only at the time budget (here 60 s: the

@@ -346,6 +346,57 @@ inline void llamaprompt_release_statement(statement * p) noexcept {
     draining = nullptr;
 }
 """
+# values compared or hashed recursed once per nesting level (is_hashable, ==, a dict key's hash),
+# unguarded: a tuple nested ~5,000 deep -- a loop of `{% set ns.t = ({'a': ns.t}.items()|first) %}`
+# -- compared with `==` or used as a dict key killed the process on a 256 KiB thread, and each
+# comparison level re-walked the whole tuple (quadratic) with no time check in between. is_hashable
+# and equality of lists and tuples pass the stack guard (stack and time budget); a hash, which is
+# noexcept, leaves out what lies deeper than HASH_DEPTH levels below the value hashed -- a function of
+# the value alone, so equal values still hash equal: the same keys found, the same order of entries
+# (kept in the object's ordered list), only the buckets of such deep keys differ.
+HASH_DEPTH = 256
+VALUE_COMPARE_LOST = ("a tuple nested ~5,000 deep compared with == or used as a dict key overflows the stack "
+                      "(the process dies)")
+VALUE_H_TOP = "#pragma once\n"
+VALUE_H_GUARD_DECL = f"""#pragma once
+namespace llamaprompt {{ void jinja_guard_step(); }}  // llamaprompt: jinja_guard.h
+// llamaprompt (a robustness rewrite, see its adapt_tree.py): unique_hash of a list, tuple or object
+// counts its levels on this thread and leaves out what lies more than {HASH_DEPTH} levels below
+struct llamaprompt_hash_level {{
+    static int & depth() noexcept {{ static thread_local int d = 0; return d; }}
+    llamaprompt_hash_level() noexcept {{ ++depth(); }}
+    ~llamaprompt_hash_level() {{ --depth(); }}
+    llamaprompt_hash_level(const llamaprompt_hash_level &) = delete;
+    llamaprompt_hash_level & operator=(const llamaprompt_hash_level &) = delete;
+    bool too_deep() const noexcept {{ return depth() > {HASH_DEPTH}; }}
+}};
+"""
+ARRAY_IS_HASHABLE = """    virtual bool is_hashable() const override {
+        if (std::all_of(val_arr.begin(), val_arr.end(), [&](auto & val) -> bool {
+"""
+ARRAY_EQUIVALENT = """    virtual bool equivalent(const value_t & other) const override {
+        return typeid(*this) == typeid(other) && is_hashable() && other.is_hashable() && std::equal(val_arr.begin(),"""
+ARRAY_HASH = """    virtual hasher unique_hash() const noexcept override {
+        auto hash = hasher(typeid(*this));
+        for (const auto & val : val_arr) {
+"""
+OBJECT_HASH = """    virtual hasher unique_hash() const noexcept override {
+        auto hash = hasher(typeid(*this));
+        for (const auto & [key, val] : val_obj) {
+"""
+HASH_LEVEL = ("        llamaprompt_hash_level level;  // llamaprompt: deep values hashed to a bounded depth\n"
+              "        if (level.too_deep()) {\n"
+              "            return hash;\n"
+              "        }\n")
+
+METHOD_GUARD = "        ::llamaprompt::jinja_guard_step();  // llamaprompt: deeply nested values recurse here\n"
+
+
+def _after_first_line(text: str, insert: str) -> str:
+    head, rest = text.split("\n", 1)
+    return head + "\n" + insert + rest
+
+
 STATEMENT_LOST = "a syntax tree ~10^5 deep (a long operator chain) overflows the stack when freed (the process dies)"
 
 BUILTIN_MISS = "member access by name: no undefined value built and dropped when the name is no built-in"
@@ -715,6 +766,17 @@ bool operator!=(const allocator<T> &, const allocator<U> &) noexcept { return fa
 # value's control block frees it with the allocator that made it).
 HEADER_REWRITES = [
     Rewrite("common/jinja/value.h", "", [
+        # comparing and hashing deeply nested values (HASH_DEPTH above)
+        Edit(VALUE_H_TOP, VALUE_H_GUARD_DECL, requires=("common/jinja/value.h", "unique_hash()"),
+             lost=VALUE_COMPARE_LOST),
+        Edit(ARRAY_IS_HASHABLE, _after_first_line(ARRAY_IS_HASHABLE, METHOD_GUARD),
+             requires=("common/jinja/value.h", "is_hashable()"), lost=VALUE_COMPARE_LOST),
+        Edit(ARRAY_EQUIVALENT, _after_first_line(ARRAY_EQUIVALENT, METHOD_GUARD),
+             requires=("common/jinja/value.h", "is_hashable()"), lost=VALUE_COMPARE_LOST),
+        Edit(ARRAY_HASH, ARRAY_HASH.replace("        for (", HASH_LEVEL + "        for (", 1),
+             requires=("common/jinja/value.h", "unique_hash()"), lost=VALUE_COMPARE_LOST),
+        Edit(OBJECT_HASH, OBJECT_HASH.replace("        for (", HASH_LEVEL + "        for (", 1),
+             requires=("common/jinja/value.h", "unique_hash()"), lost=VALUE_COMPARE_LOST),
         Edit(VALUE_DECL, RELEASE_CHILDREN_DECL + VALUE_DECL, requires=("common/jinja/value.h", "virtual ~value_t()"),
              lost="a list nested ~10^5 deep overflows the stack when its values are destroyed (the process dies)"),
         Edit(AFTER_VALUE_T, RELEASE_CHILDREN + AFTER_VALUE_T, requires=("common/jinja/value.h", "virtual ~value_t()"),
@@ -1907,7 +1969,10 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
                 if "\n" in text[open_at + 1 + stop.start():at]:
                     problems.append("the generation prompt's statement spans lines")
             elif after_problems:
-                problems.append("after its generation prompt: " + "; ".join(after_problems))
+                # what the stop point after the generation prompt adds (a problem of the code after
+                # it is a problem of both stop points: said once)
+                more = [p for p in after_problems if p not in problems]
+                problems.append("after its generation prompt: " + ("; ".join(more) if more else "the same"))
             if problems:
                 verdicts[name] = "; ".join(problems)
                 continue
