@@ -147,6 +147,24 @@ def cases() -> dict[str, list[tuple[str, str, Any]]]:
             ("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(2000) }}", _msg("a")),
         ),
     ]
+    tuples = (
+        "{% set ns = namespace(t=0) %}{% for i in range(40000) %}"
+        "{% set ns.t = ({'a': ns.t}.items()|first) %}{% endfor %}"
+    )
+    lists = "{% set ns = namespace(l=[]) %}{% for i in range(300000) %}{% set ns.l = [ns.l] %}{% endfor %}"
+    c["values and syntax trees nested deep"] = [
+        ("a list 3*10^5 deep, unprinted", "template", (lists + "x", _msg("a"))),
+        ("a list 3*10^5 deep, tojson", "template", (lists + "{{ ns.l|tojson }}", _msg("a"))),
+        ("a list nested in itself, printed", "template", ("{% set l = [] %}{{ l.append(l) }}{{ l }}", _msg("a"))),
+        ("a tuple 40,000 deep, ==", "template", (tuples + "{{ ns.t == ns.t }}", _msg("a"))),
+        ("a tuple 40,000 deep, a dict key", "template", (tuples + "{% set d = {ns.t: 1} %}{{ d[ns.t] }}", _msg("a"))),
+        (
+            "1 + 1 + ... (10^6 terms)",
+            "template",
+            ("{% if false %}{{ 1" + " + 1" * 10**6 + " }}{% endif %}x", _msg("a")),
+        ),
+        ("f()()()... (2*10^5 calls)", "template", ("{{ f" + "()" * 200000 + " }}", _msg("a"))),
+    ]
     c["range(10^9) and friends"] = [
         ("range(10**9)", "template", ("{% for i in range(1000000000) %}{% endfor %}", _msg("a"))),
         ("range(2**62)", "template", ("{{ range(4611686018427387904)|length }}", _msg("a"))),
@@ -165,6 +183,13 @@ def cases() -> dict[str, list[tuple[str, str, Any]]]:
             ),
         ),
         ("output 10^7 statements", "template", ("{% for i in range(10000000) %}{{ 'abc' }}{% endfor %}", _msg("a"))),
+        ("slice step -2**63", "template", ("{{ [1][0:-1:-9223372036854775807 - 1]|length }}", _msg("a"))),
+        ("indent(2*10^8)", "template", ("{{ ('a\nb'|indent(200000000))|length }}", _msg("a"))),
+        (
+            "split of 2 MB of commas",
+            "template",
+            ("{% for m in messages %}{{ m.content.split(',')|length }}{% endfor %}", _msg("," * 2_000_000)),
+        ),
     ]
     c["templates that raise"] = [
         ("raise_exception", "template", ("{{ raise_exception('no') }}", _msg("a"))),

@@ -162,3 +162,18 @@ def test_normalize_bodies_llama_cpp_rejects(tmp_path):
         except llamaprompt.RequestError as e:
             want = e.message
         assert proc.returncode == 2 and want.encode() in proc.stderr, (body, proc.stderr)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/dev/zero and RLIMIT_AS")
+def test_a_template_file_without_end_exits_2(tmp_path):
+    # `-t /dev/zero` reads until memory runs out: under a memory limit that was a MemoryError
+    # traceback (exit 1); a directory is an OSError. Both: the message, exit 2
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    proc = subprocess.run([*CLI, "render", "-t", "/dev/zero"], capture_output=True, preexec_fn=limit, timeout=300)
+    assert proc.returncode == 2 and b"MemoryError" in proc.stderr and b"Traceback" not in proc.stderr, proc.stderr
+    proc = run("render", "-t", str(tmp_path))
+    assert proc.returncode == 2 and b"IsADirectoryError" in proc.stderr and b"Traceback" not in proc.stderr

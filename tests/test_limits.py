@@ -74,54 +74,43 @@ def test_a_value_nested_in_itself_raises_instead_of_crashing(body):
     assert t.apply_template(HI) == "hi"
 
 
-DEEP_LIST = (
-    "import threading, llamaprompt\n"
-    "src = ('{% set ns = namespace(l=[]) %}{% for i in range(8000) %}{% set ns.l = [ns.l] %}{% endfor %}'\n"
-    "       '{{ messages[0].content }}')\n"
-    "out = []\n"
-    "def run():\n"
-    "    t = llamaprompt.ChatTemplate(src, timeout=None)\n"
-    "    out.append(t.apply_template({'messages': [{'role': 'user', 'content': 'hi'}]}))\n"
-    "threading.stack_size(128 * 1024)\n"
-    "th = threading.Thread(target=run)\n"
-    "th.start()\n"
-    "th.join()\n"
-    "print(out)\n"
-)
-
-
-def test_a_list_nested_deep_is_destroyed_without_crashing():
-    # a list nested 8000 deep, never printed, built on a thread with a 128 KiB stack: destroying
-    # the render's values released it level by level, a C++ recursion (~value_t) that killed the
-    # process (SIGSEGV, also on the main thread's 8 MiB stack at ~3*10^5 levels); value.h's
-    # destructor now hands the elements to a worklist. In a child process: a crash must not kill pytest
-    proc = subprocess.run([sys.executable, "-c", DEEP_LIST], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "['hi']"
-
-
-def _on_a_small_thread(body: str) -> str:
-    """Run ``body`` (the lines of a function that appends to ``out``) on a thread with a 256 KiB
-    stack in a child process (a crash must not kill pytest); its ``out``, printed."""
+def _on_a_small_thread(body: str, kib: int = 256) -> str:
+    """Run ``body`` (the lines of a function that appends to ``out``) on a thread with a ``kib``
+    KiB stack in a child process (a crash must not kill pytest); its ``out``, printed. The
+    module runs such a thread's calls on a thread of its own with an 8 MiB stack (gil.h), so a
+    recursion no guard bounds must be as deep as one that overflowed 8 MiB to be a test."""
     script = (
         "import gc, threading, llamaprompt\nout = []\ndef run():\n"
         + "".join(f"    {line}\n" for line in body.strip("\n").splitlines())
-        + "threading.stack_size(256 * 1024)\nth = threading.Thread(target=run)\nth.start()\nth.join()\nprint(out)\n"
+        + f"threading.stack_size({kib} * 1024)\nth = threading.Thread(target=run)\nth.start()\nth.join()\nprint(out)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip()
 
 
+def test_a_list_nested_deep_is_destroyed_without_crashing():
+    # a list nested 400,000 deep, never printed: destroying the render's values released it
+    # level by level, a C++ recursion (~value_t) that killed the process (SIGSEGV at ~3*10^5
+    # levels on an 8 MiB stack, 8,000 on 128 KiB); value.h's destructor now hands the elements
+    # to a worklist
+    src = _trap("{% set ns = namespace(l=[]) %}{% for i in range(400000) %}{% set ns.l = [ns.l] %}{% endfor %}")
+    body = f"""
+t = llamaprompt.ChatTemplate({src!r}, timeout=None)
+out.append(t.apply_template({{'messages': [{{'role': 'user', 'content': 'trap'}}]}}))
+"""
+    assert _on_a_small_thread(body, kib=128) == "['trap']"
+
+
 def test_a_deep_syntax_tree_is_freed_without_crashing():
-    # `1 + 1 + ...` (20,000 terms) parses iteratively into a left-deep tree: in a branch never
+    # `1 + 1 + ...` (10^6 terms) parses iteratively into a left-deep tree: in a branch never
     # taken it loaded and rendered, then freeing it -- each node's destructor releasing its
-    # child, a recursion no guard can stop -- killed the process (SIGSEGV on a 256 KiB thread
-    # stack; 10^6 terms on 8 MiB). Rendering it raises the stack guard's error, and freeing the
+    # child, a recursion no guard can stop -- killed the process (SIGSEGV on an 8 MiB stack;
+    # 20,000 terms on 256 KiB). Rendering it raises the stack guard's error, and freeing the
     # template that failed to load crashed the same way. The deleter of runtime.h's `statement`
     # now releases a tree through a worklist
     body = """
-chain = '{{ 1' + ' + 1' * 20000 + ' }}'
+chain = '{{ 1' + ' + 1' * 1000000 + ' }}'
 t = llamaprompt.ChatTemplate('{% if false %}' + chain + '{% endif %}{{ messages[0].content }}')
 out.append(t.apply_template({'messages': [{'role': 'user', 'content': 'hi'}]}))
 del t
@@ -136,15 +125,65 @@ except llamaprompt.TemplateError as e:
 
 def test_a_long_chain_of_calls_raises_at_load():
     # `f()()()...`: the parser's call rule called itself once per argument list, the one
-    # recursion of the parser without the stack guard (20,000 calls on a 256 KiB thread stack,
-    # 200,000 on 8 MiB: SIGSEGV while the template loaded; a fresh user's report)
+    # recursion of the parser without the stack guard (200,000 calls on an 8 MiB stack, 20,000
+    # on 256 KiB: SIGSEGV while the template loaded; a fresh user's report)
     body = """
 try:
-    llamaprompt.ChatTemplate('{{ f' + '()' * 20000 + ' }}')
+    llamaprompt.ChatTemplate('{{ f' + '()' * 300000 + ' }}')
 except llamaprompt.TemplateError as e:
     out.append('nested too deeply' in e.message)
 """
     assert _on_a_small_thread(body) == "[True]"
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_small_threads_calls_run_as_on_the_main_thread():
+    # a Python thread made with a small threading.stack_size: loading any template killed the
+    # process on 32 KiB, a tool or response_format schema ~400 levels deep on 64-256 KiB (the
+    # schema's conversion to a grammar recurses unguarded; a fresh user's report), and the stack
+    # guard refused on 256 KiB what renders on the main thread. Such a thread's calls now run on
+    # a thread of their own with an 8 MiB stack: the main thread's prompts and errors, the log
+    # lines still reaching logging. The requests are JSON text: CPython's own json overflows
+    # such stacks
+    qwen = llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")
+    t = llamaprompt.ChatTemplate.from_file(qwen)
+    deep = json.dumps({
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": _deep_schema(400)}}],
+    })
+    warns = json.dumps({
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)a+$"}}}}}],
+    })
+    finite = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(2000) }}x"
+    expected = [
+        t.apply_template(HI),
+        t.apply_template(deep),
+        llamaprompt.ChatTemplate(finite).apply_template(HI),
+    ]
+    body = f"""
+import logging
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger('llamaprompt.llama_cpp').addHandler(Keep())
+t = llamaprompt.ChatTemplate.from_file({str(qwen)!r})
+out.append(t.apply_template({json.dumps(HI)!r}))
+out.append(t.apply_template({deep!r}))
+out.append(llamaprompt.ChatTemplate({finite!r}).apply_template({json.dumps(HI)!r}))
+t.apply_template({warns!r})
+out.append(any('JSON schema conversion was incomplete' in m for m in seen))
+"""
+    for kib in (32, 64, 256):
+        assert _on_a_small_thread(body, kib=kib) == repr([*expected, True])
 
 
 UNLIMITED_STACK = (
@@ -167,9 +206,10 @@ def _deep_tuples(depth: int, *names: str) -> str:
 
 def test_deeply_nested_tuples_compare_and_hash_without_crashing():
     # llama.cpp's is_hashable, == and a dict key's hash recursed once per level of a tuple,
-    # unguarded: 6,000 levels compared with == or used as a dict key killed the process (SIGSEGV
-    # on a 256 KiB thread stack; a fresh user's report). is_hashable and == pass the stack guard now
-    deep = _deep_tuples(6000, "t")
+    # unguarded: a tuple nested ~200,000 deep compared with == or used as a dict key killed the
+    # process (SIGSEGV on an 8 MiB stack; 6,000 levels on 256 KiB; a fresh user's report).
+    # is_hashable and == pass the stack guard now
+    deep = _deep_tuples(250000, "t")
     body = f"""
 for expr in ('{{{{ ns.t == ns.t }}}}', '{{% set d = {{ns.t: 1}} %}}{{{{ d[ns.t] }}}}'):
     t = llamaprompt.ChatTemplate({_trap(deep + "EXPR")!r}.replace('EXPR', expr), timeout=None)
@@ -394,6 +434,49 @@ def test_doubling_builtins_hit_the_size_budget(step):
     t = llamaprompt.ChatTemplate(_trap(body), timeout=60)  # the size budget stops it long before
     with pytest.raises(llamaprompt.TemplateError, match="size budget"):
         t.apply_template(_on("trap"))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # a step of -2**63 overflowed slice()'s index: its loop never ended, appending the same
+        # element (memory grew by GBs in seconds, the time budget never checked); filter and subscript
+        "{{ [1]|slice(0, -1, -9223372036854775807 - 1)|length }}",
+        "{{ [1][0:-1:-9223372036854775807 - 1]|length }}",
+        "{{ 'ab'|slice(0, -1, -9223372036854775807 - 1)|length }}",
+        # indent() built a 200 MB string past the 64 MiB size budget
+        "{{ ('a\nb'|indent(200000000))|length }}",
+    ],
+)
+def test_builtin_loops_hit_the_budgets(body):
+    t = llamaprompt.ChatTemplate(_trap(body), timeout=None)
+    t0 = time.monotonic()
+    with pytest.raises(llamaprompt.TemplateError, match="size budget|time budget"):
+        t.apply_template(_on("trap"), timeout=5)
+    assert time.monotonic() - t0 < 60
+    assert t.apply_template(HI) == "hi"
+
+
+def test_builtins_that_take_the_guards_keep_their_results():
+    # what the guarded loops return, by Python's slicing and Jinja's filters (facts of the template)
+    t = llamaprompt.ChatTemplate(
+        "{{ [1, 2, 3, 4, 5][::-2]|tojson }}|{{ [1, 2, 3][::-9223372036854775807 - 1]|tojson }}|{{ 'abcdef'[1:5:2] }}|"
+        "{{ 'a\nb\n\nc'|indent(2, first=true, blank=true) }}|{{ 'a\nb'|indent('> ') }}|"
+        "{{ 'a,b,,c'.split(',')|tojson }}|{{ 'a b c'.split(' ', 1)|tojson }}"
+    )
+    assert t.apply_template(HI) == (
+        '[5, 3, 1]|[3]|bd|  a\n  b\n  \n  c|a\n> b|["a", "b", "", "c"]|["a", "b c"]'
+    )
+
+
+def test_split_of_a_long_message_stops_at_the_time_budget():
+    # split() moves the rest of its string once per piece (quadratic) with no statement step in
+    # between: a 2 MB message of commas took 57 s against the 10 s budget, and then rendered
+    t = llamaprompt.ChatTemplate("{% for m in messages %}{{ m.content.split(',')|length }}{% endfor %}")
+    t0 = time.monotonic()
+    with pytest.raises(llamaprompt.TemplateError, match=r"time budget \(1 s\)"):
+        t.apply_template(_on("," * 2_000_000), timeout=1)
+    assert time.monotonic() - t0 < 20
 
 
 def test_schema_with_too_many_properties():

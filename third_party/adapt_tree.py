@@ -209,6 +209,16 @@ def _loop_object_inserts_with_keys() -> str:
     return text
 
 
+# loops of value.cpp's built-ins that run long without a statement step (the Edits of value.cpp)
+SLICE_PUSH = """        if (i >= 0 && i < len) {
+            result.push_back(array[static_cast<size_t>(i)]);
+"""
+SPLIT_ERASE = "                str.erase(0, pos + delim.length());\n"
+INDENT_LINE = """                if ((indented.empty() ? first : (!line.empty() || blank))) {
+                    indented += indent;
+"""
+
+
 # the stack guard (jinja_guard.h) in the engine's recursions over values, which statement
 # execution does not reach: a list that contains itself, or one nested ~10^5 deep
 VALUE_RECURSION_GUARD = ("    ::llamaprompt::jinja_guard_step();"
@@ -535,6 +545,24 @@ REWRITES = [
              "new_res.reserve(llamaprompt_sized(0, str.length() + new_str.length() * (str.length() + 1)))"),
         Edit("    return mk_val<value_string>(json_str)",
              "    return mk_val<value_string>(llamaprompt_sized(0, json_str))"),
+        # slice(): a step of -2**63 overflowed its index and the loop never ended (memory grew
+        # until the process was killed); split(): each piece moves the rest of the string
+        # (quadratic: 36 s past a 2 s budget for a 4.8 MB message); indent(): a wide indentation
+        # on every line went past the size budget
+        Edit(SLICE_PUSH, "        llamaprompt_slice_step(result);\n" + SLICE_PUSH,
+             requires=("common/jinja/value.cpp", "static T slice("),
+             lost="a slice with a step of -2**63 never ends and takes all memory"),
+        Edit(SPLIT_ERASE, "                llamaprompt::jinja_guard_work(str.size());\n" + SPLIT_ERASE,
+             requires=("common/jinja/value.cpp", '{"split", '),
+             lost="split() of a long string into many pieces runs past the time budget"),
+        Edit("indent.assign(val_width->as_int(), ' ')",
+             "indent.assign(llamaprompt_indent_width(val_width->as_int()), ' ')",
+             requires=("common/jinja/value.cpp", '{"indent", '),
+             lost="indent() with a huge width goes past the size budget"),
+        Edit(INDENT_LINE,
+             INDENT_LINE.replace("indented += indent;", "indented += llamaprompt_sized(indented.size(), indent);"),
+             requires=("common/jinja/value.cpp", '{"indent", '),
+             lost="indent() with a huge width goes past the size budget"),
     ]),
     # the one stderr print of json-schema-to-grammar goes to the log (src/cpp/shim_json_schema.cpp)
     Rewrite("common/json-schema-to-grammar.cpp", "json-schema-to-grammar.cpp", [

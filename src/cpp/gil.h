@@ -19,6 +19,10 @@
 
 #include <Python.h>
 
+#include "big_stack.h"
+#include "jinja_guard.h"
+
+#include <cstddef>
 #include <exception>
 #include <optional>
 #include <type_traits>
@@ -62,7 +66,34 @@ class gil_released {
     bool hold_;
 };
 
-// fn() with the GIL released; its result is returned, or its exception thrown, once the GIL is
+class log_capture;  // logging.h
+log_capture * current_log_capture() noexcept;
+log_capture * exchange_log_capture(log_capture * capture) noexcept;
+
+// A caller with less stack than this left (a Python thread made with a small threading.stack_size)
+// has its work run on a thread with hop_stack_bytes of stack (big_stack.h), logging into its capture
+constexpr size_t min_stack_left = size_t(1) << 20;
+constexpr size_t hop_stack_bytes = size_t(8) << 20;
+
+template <typename F>
+auto with_enough_stack(F && fn) -> decltype(fn()) {
+    if (stack_left() >= min_stack_left) {
+        return fn();
+    }
+    log_capture * logs = current_log_capture();
+    return on_big_stack(
+        [&]() -> decltype(fn()) {
+            struct forward {
+                log_capture * prev;
+                ~forward() { exchange_log_capture(prev); }
+            } in_force{exchange_log_capture(logs)};
+            return fn();
+        },
+        hop_stack_bytes);
+}
+
+// fn() with the GIL released (on a thread of its own when this one's stack is small:
+// with_enough_stack); its result is returned, or its exception thrown, once the GIL is
 // back. The only way C++ work runs without the GIL, because of two hazards of ~gil_released when
 // CPython ends the thread there (pthread_exit at interpreter exit, a forced unwinding):
 // - an exception in flight through ~gil_released: the unwinding meets another one, and the
@@ -81,7 +112,7 @@ auto without_gil(F && fn, gil_released::holds holds = gil_released::whole_scope)
         {
             gil_released nogil(holds);
             try {
-                fn();
+                with_enough_stack(fn);
             } catch (...) {
                 failure = std::current_exception();
             }
@@ -94,7 +125,7 @@ auto without_gil(F && fn, gil_released::holds holds = gil_released::whole_scope)
         {
             gil_released nogil(holds);
             try {
-                out.emplace(fn());
+                out.emplace(with_enough_stack(fn));
             } catch (...) {
                 failure = std::current_exception();
             }

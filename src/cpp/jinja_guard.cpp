@@ -24,6 +24,7 @@ struct guard_state {
     size_t max_bytes = 0;
     uint64_t fired = 0;
     uintptr_t stack_floor = 1;  // 1: not computed yet; 0: unknown (no check)
+    uintptr_t stack_low = 0;    // the lowest address of the thread's stack (0: unknown)
     uint32_t steps = 0;
 };
 thread_local guard_state state;
@@ -40,23 +41,28 @@ size_t usable_depth(size_t stack_size) {
 }
 
 // the lowest stack address execution may reach
-uintptr_t compute_stack_floor() {
+// the guard's floor (the address below which the stack guard fires) and the stack's lowest address
+void compute_stack_bounds(guard_state & g) {
+    g.stack_floor = 0;
+    g.stack_low = 0;
 #if defined(__linux__)
     pthread_attr_t attr;
     if (pthread_getattr_np(pthread_self(), &attr) != 0) {
-        return 0;
+        return;
     }
     void * addr = nullptr;
     size_t size = 0;
     const int rc = pthread_attr_getstack(&attr, &addr, &size);
     pthread_attr_destroy(&attr);
-    return rc == 0 && size > 0 ? reinterpret_cast<uintptr_t>(addr) + size - usable_depth(size) : 0;
+    if (rc == 0 && size > 0) {
+        g.stack_low = reinterpret_cast<uintptr_t>(addr);
+        g.stack_floor = g.stack_low + size - usable_depth(size);
+    }
 #elif defined(__APPLE__)
     const uintptr_t top = reinterpret_cast<uintptr_t>(pthread_get_stackaddr_np(pthread_self()));
     const size_t size = pthread_get_stacksize_np(pthread_self());
-    return top - usable_depth(size);
-#else
-    return 0;
+    g.stack_low = top - size;
+    g.stack_floor = top - usable_depth(size);
 #endif
 }
 
@@ -98,13 +104,23 @@ uint64_t jinja_guard_fired() { return state.fired; }
 
 std::string jinja_guard_last_message() { return last_fired; }
 
+size_t stack_left() {
+    guard_state & g = state;
+    if (g.stack_floor == 1) {
+        compute_stack_bounds(g);
+    }
+    char probe;
+    const uintptr_t here = reinterpret_cast<uintptr_t>(&probe);
+    return g.stack_low == 0 ? SIZE_MAX : here > g.stack_low ? here - g.stack_low : 0;
+}
+
 void jinja_guard_step() {
     guard_state & g = state;
     const uint32_t steps = ++g.steps;
-    uintptr_t floor = g.stack_floor;
-    if (floor == 1) {
-        floor = g.stack_floor = compute_stack_floor();
+    if (g.stack_floor == 1) {
+        compute_stack_bounds(g);
     }
+    const uintptr_t floor = g.stack_floor;
     char probe;
     if (floor != 0 && reinterpret_cast<uintptr_t>(&probe) < floor) {
         fire("template nested too deeply (half of the thread's stack, or 8 MiB, used)");
@@ -116,6 +132,15 @@ void jinja_guard_step() {
 
 void jinja_guard_tick() {
     if ((++state.steps & 4095) == 0) {
+        check_time();
+    }
+}
+
+void jinja_guard_work(size_t bytes) {
+    static thread_local size_t done = 0;
+    done += bytes + 256;  // a call costs something of its own: 4096 small ones are ~1 MiB
+    if (done >= (size_t(1) << 20)) {
+        done = 0;
         check_time();
     }
 }

@@ -1,9 +1,10 @@
 // Limits on one template execution in llama.cpp's Jinja engine, which has none: a
 // recursive macro overflows the C++ stack (the process dies) and a long loop runs for as
-// long as it runs. Three upstream call sites are compiled from build-tree copies that
-// call jinja_guard_* here (see CMakeLists.txt): statement::execute (every statement and
-// expression), range() (each element), string repetition `s * n` and concatenation
-// `a ~ b` / `a + b`.
+// long as it runs. Upstream call sites compiled from build-tree copies call jinja_guard_*
+// here (see CMakeLists.txt and third_party/adapt_tree.py): statement::execute (every
+// statement and expression), range() and slice() (each element), split() (each piece),
+// string repetition `s * n`, concatenation `a ~ b` / `a + b`, indent(), join, replace,
+// tojson, the parser's recursive rules and the recursions over values.
 //
 // A guard that fires throws std::runtime_error, which llama.cpp's own handling turns into
 // the error of the call (a TemplateError, 500). Limits are per thread, set by a
@@ -50,10 +51,16 @@ uint64_t jinja_guard_fired();
 // only a copy of the exception sliced to std::exception (common_chat_templates_init's rethrow)
 std::string jinja_guard_last_message();
 
+// bytes of the calling thread's stack left below the caller's frame (SIZE_MAX: unknown)
+size_t stack_left();
+
 // statement::execute: stack and time
 void jinja_guard_step();
 // range(): time (each element; the size of the list is checked with jinja_guard_size)
 void jinja_guard_tick();
+// work of about `bytes` done in one step (a copy, a move of a string's rest): time, checked once
+// ~1 MiB of such work has accumulated (split() moves the rest of its string once per piece)
+void jinja_guard_work(size_t bytes);
 // `s * n`, `a ~ b`: time, and the size the result would reach (its bytes, and its
 // parts -- llama.cpp's strings are lists of parts of ~40 bytes each plus their text)
 void jinja_guard_size(size_t bytes, size_t parts);

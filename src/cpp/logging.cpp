@@ -30,6 +30,14 @@ int python_level(int level) {
 
 }  // namespace
 
+log_capture * current_log_capture() noexcept { return current_capture; }
+
+log_capture * exchange_log_capture(log_capture * capture) noexcept {
+    log_capture * prev = current_capture;
+    current_capture = capture;
+    return prev;
+}
+
 log_capture::log_capture() : prev_(current_capture) { current_capture = this; }
 
 log_capture::~log_capture() { current_capture = prev_; }

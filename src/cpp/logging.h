@@ -42,6 +42,11 @@ class log_capture {
     log_capture * prev_;
 };
 
+// the capture active on this thread (nullptr: none), and making one active on this thread (returns
+// the one it replaces): a call that runs on a thread of its own (gil.h) logs into its caller's
+log_capture * current_log_capture() noexcept;
+log_capture * exchange_log_capture(log_capture * capture) noexcept;
+
 // emit records (collected on any thread) to logging.getLogger("llamaprompt.llama_cpp"); needs the GIL
 void emit_records(const std::vector<log_record> & records);
 

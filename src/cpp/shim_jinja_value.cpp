@@ -18,6 +18,27 @@ static void llamaprompt_range_push(Array & out, int64_t i) {
     out->push_back(jinja::mk_val<jinja::value_int>(i));
 }
 
+// slice() (a filter, and `[a:b:c]`): each step of its loop, the time guard, and every 4096
+// elements the size guard on what it has taken (a step of -2**63 overflows its index: upstream's
+// loop never ends, appending the same element until memory runs out)
+template <typename T>
+static void llamaprompt_slice_step(const T & result) {
+    const size_t n = result.size();
+    if ((n & 4095) == 4095) {
+        llamaprompt::jinja_guard_size(n * sizeof(typename T::value_type), 0);
+    }
+    llamaprompt::jinja_guard_tick();
+}
+
+// indent(): the size guard on the indentation a width asks for (a negative width is left to
+// upstream's own error)
+static int64_t llamaprompt_indent_width(int64_t width) {
+    if (width > 0) {
+        llamaprompt::jinja_guard_size(static_cast<size_t>(width), 0);
+    }
+    return width;
+}
+
 // join / replace / tojson: the size guard on the string being built (the text, or the
 // size a reserve() asks for), then the value as upstream uses it
 static const std::string & llamaprompt_sized(size_t current, const std::string & piece) {

@@ -165,12 +165,12 @@ class core_template {
                   const std::map<std::string, bool> & caps, bool skip_specialized, bool fast_path, double timeout,
                   size_t max_output_bytes, size_t max_tools) {
         configure(caps, skip_specialized, fast_path, timeout, max_output_bytes, max_tools);
-        common_params params = parse_args(server_args);
+        const std::unique_ptr<common_params> params = parse_args(server_args);
         if (source.empty()) {
             // common_chat_templates_init would take the model's template (GGML_ASSERT(model))
             throw error(error_kind::template_, 0, "the chat template is empty");
         }
-        init(params, media_marker, fetch_remote_media, bos_token, eos_token, [&]() {
+        init(*params, media_marker, fetch_remote_media, bos_token, eos_token, [&]() {
             common_chat_templates_ptr tmpls = common_chat_templates_init(nullptr, source, bos_token, eos_token);
             templates_set_add_bos_eos(tmpls.get(), add_bos, add_eos);
             return tmpls;
@@ -185,7 +185,7 @@ class core_template {
                   bool fetch_remote_media, const std::map<std::string, bool> & caps, bool skip_specialized,
                   bool fast_path, double timeout, size_t max_output_bytes, size_t max_tools) {
         configure(caps, skip_specialized, fast_path, timeout, max_output_bytes, max_tools);
-        common_params params = parse_args(server_args);
+        const std::unique_ptr<common_params> params = parse_args(server_args);
         const llama_vocab * vocab = model->vocab();
         // the BOS/EOS text GET /props reports (server-context.cpp: common_token_to_piece(ctx, id, true))
         const llama_token bos_id = llama_vocab_bos(vocab);
@@ -194,7 +194,7 @@ class core_template {
         const std::string eos = eos_id != LLAMA_TOKEN_NULL ? common_token_to_piece(vocab, eos_id, true) : "";
         const char * in_file = llama_model_chat_template(model->model(), nullptr);
         const std::string shown = !chat_template_override.empty() ? chat_template_override : (in_file ? in_file : "");
-        init(params, media_marker, fetch_remote_media, bos, eos, [&]() {
+        init(*params, media_marker, fetch_remote_media, bos, eos, [&]() {
             return common_chat_templates_init(model->model(), chat_template_override);
         }, shown);
     }
@@ -494,9 +494,11 @@ class core_template {
         }
     }
 
-    static common_params parse_args(const std::vector<std::string> & server_args) {
+    // on the heap: common_params is large for the stack of a small thread (32 KiB), which without_gil
+    // leaves for a thread of its own only once it is running
+    static std::unique_ptr<common_params> parse_args(const std::vector<std::string> & server_args) {
         try {
-            return without_gil([&]() { return parse_server_args(server_args); });
+            return without_gil([&]() { return std::make_unique<common_params>(parse_server_args(server_args)); });
         } catch (const std::exception & e) {
             throw error(error_kind::server_args, 0, e.what());
         }

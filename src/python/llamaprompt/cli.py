@@ -861,6 +861,9 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
     except (OSError, ValueError, TypeError, UnicodeError, KeyError) as e:
         print(f"llamaprompt: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except MemoryError:  # an input file without end (-t /dev/zero) under a memory limit
+        print("llamaprompt: MemoryError: an input does not fit in memory", file=sys.stderr)
+        return 2
     except RecursionError:  # printing a result that echoes a request nested ~1000 deep
         print("llamaprompt: the result is nested too deeply to print as JSON (recursion limit)", file=sys.stderr)
         return 2

@@ -164,16 +164,19 @@ class ChatTemplate:
             call.
         timeout: wall-time budget in seconds of the template executions of one call
             (loading included); ``None``: none. llama.cpp's Jinja engine has no limit;
-            llamaprompt checks the clock every 64 execution steps and in ``range()``,
-            and raises TemplateError when it has passed. Also on by default: a template
-            that recurses until half of the thread's stack (at most 8 MiB) is used raises
-            TemplateError instead of crashing the process. A single huge built-in operation is not
-            interruptible: for untrusted templates use :class:`llamaprompt.sandbox.UntrustedTemplate`
-            (a worker process with memory and time limits).
+            llamaprompt checks the clock every 64 execution steps, in ``range()`` and
+            ``slice()`` and as ``split()`` works, and raises TemplateError when it has passed.
+            Also on by default: a template that recurses until half of the thread's stack (at
+            most 8 MiB; a thread with less than 1 MiB left has its calls run on one with 8 MiB)
+            is used raises TemplateError instead of crashing the process. Other single built-in
+            operations are not interruptible: for untrusted templates use
+            :class:`llamaprompt.sandbox.UntrustedTemplate` (a worker process with memory and
+            time limits).
         max_output_bytes: the largest value (in bytes, counting llama.cpp's per-part and
             per-element overhead) that one string repetition (``'x' * n``), string
-            concatenation (``a ~ b``) or ``range(n)`` in the template may build; ``None``: no
-            limit. Exceeding it raises TemplateError.
+            concatenation (``a ~ b``), ``range(n)``, ``slice()``, ``indent()``, ``join``,
+            ``replace`` or ``tojson`` in the template may build; ``None``: no limit. Exceeding it
+            raises TemplateError.
         max_tools: the most tools a request may list (default 4096; ``None``: no limit); more
             raise RequestError (400). llama.cpp's parser and grammar generation grow faster
             than linearly with the tools (5000 take ~7 s and 1.5 GB; 10^5 exhaust memory),
