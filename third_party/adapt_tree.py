@@ -547,7 +547,7 @@ REWRITES = [
              "    return mk_val<value_string>(llamaprompt_sized(0, json_str))"),
         # slice(): a step of -2**63 overflowed its index and the loop never ended (memory grew
         # until the process was killed); split(): each piece moves the rest of the string
-        # (quadratic: 36 s past a 2 s budget for a 4.8 MB message); indent(): a wide indentation
+        # (quadratic: a 4.8 MB message ran 18-36 s against a 2 s budget); indent(): a wide indentation
         # on every line went past the size budget
         Edit(SLICE_PUSH, "        llamaprompt_slice_step(result);\n" + SLICE_PUSH,
              requires=("common/jinja/value.cpp", "static T slice("),

@@ -40,7 +40,6 @@ size_t usable_depth(size_t stack_size) {
     return stack_size / 2 < max_stack_depth ? stack_size / 2 : max_stack_depth;
 }
 
-// the lowest stack address execution may reach
 // the guard's floor (the address below which the stack guard fires) and the stack's lowest address
 void compute_stack_bounds(guard_state & g) {
     g.stack_floor = 0;
