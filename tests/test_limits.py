@@ -163,8 +163,12 @@ def test_a_small_threads_calls_run_as_on_the_main_thread():
             "type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)a+$"}}}}}],
     })
     finite = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(2000) }}x"
+    # a key that a once-per-template notice looks for, nested 600 deep: the notice's own decoding
+    # of the request (CPython's json) overflowed a 64 KiB thread
+    noticed = '{"messages":[{"role":"user","content":"hi"}],"x":' + '{"enable_thinking":' * 600 + "1" + "}" * 601
     expected = [
         t.apply_template(HI),
+        t.apply_template(noticed),
         t.apply_template(deep),
         llamaprompt.ChatTemplate(finite).apply_template(HI),
     ]
@@ -177,6 +181,7 @@ class Keep(logging.Handler):
 logging.getLogger('llamaprompt.llama_cpp').addHandler(Keep())
 t = llamaprompt.ChatTemplate.from_file({str(qwen)!r})
 out.append(t.apply_template({json.dumps(HI)!r}))
+out.append(t.apply_template({noticed!r}))
 out.append(t.apply_template({deep!r}))
 out.append(llamaprompt.ChatTemplate({finite!r}).apply_template({json.dumps(HI)!r}))
 t.apply_template({warns!r})
@@ -462,20 +467,22 @@ def test_builtins_that_take_the_guards_keep_their_results():
     t = llamaprompt.ChatTemplate(
         "{{ [1, 2, 3, 4, 5][::-2]|tojson }}|{{ [1, 2, 3][::-9223372036854775807 - 1]|tojson }}|{{ 'abcdef'[1:5:2] }}|"
         "{{ 'a\nb\n\nc'|indent(2, first=true, blank=true) }}|{{ 'a\nb'|indent('> ') }}|"
-        "{{ 'a,b,,c'.split(',')|tojson }}|{{ 'a b c'.split(' ', 1)|tojson }}"
+        "{{ 'a,b,,c'.split(',')|tojson }}|{{ 'a b c'.split(' ', 1)|tojson }}|{{ 'a,b,,c'.rsplit(',', 1)|tojson }}"
     )
     assert t.apply_template(HI) == (
-        '[5, 3, 1]|[3]|bd|  a\n  b\n  \n  c|a\n> b|["a", "b", "", "c"]|["a", "b c"]'
+        '[5, 3, 1]|[3]|bd|  a\n  b\n  \n  c|a\n> b|["a", "b", "", "c"]|["a", "b c"]|["a,b,", "c"]'
     )
 
 
-def test_split_of_a_long_message_stops_at_the_time_budget():
+@pytest.mark.parametrize(("method", "content"), [("split", "," * 2_000_000), ("rsplit", "," * 30_000_000)])
+def test_split_of_a_long_message_stops_at_the_time_budget(method, content):
     # split() moves the rest of its string once per piece (quadratic) with no statement step in
-    # between: a 2 MB message of commas took 57 s against the 10 s budget, and then rendered
-    t = llamaprompt.ChatTemplate("{% for m in messages %}{{ m.content.split(',')|length }}{% endfor %}")
+    # between: a 2 MB message of commas took 57 s against the 10 s budget, and then rendered;
+    # rsplit() is linear but as unchecked (30 MB of commas: 32 s and 9 GB against a 2 s budget)
+    t = llamaprompt.ChatTemplate("{% for m in messages %}{{ m.content." + method + "(',')|length }}{% endfor %}")
     t0 = time.monotonic()
     with pytest.raises(llamaprompt.TemplateError, match=r"time budget \(1 s\)"):
-        t.apply_template(_on("," * 2_000_000), timeout=1)
+        t.apply_template(_on(content), timeout=1)
     assert time.monotonic() - t0 < 20
 
 

@@ -2,6 +2,7 @@
 // Each topic registers itself from its own file; this file only wires them up.
 #include "errors.h"
 #include "logging.h"
+#include "jinja_guard.h"
 #include "memory.h"
 #include "shim.h"
 #include "tree.h"
@@ -39,6 +40,9 @@ PYBIND11_MODULE(_core, m) {
     m.attr("BLOCK_CACHE_MODE") = llamaprompt::block_cache_mode();
     // tests: the check that chooses "sized", on usable sizes given per request size 0, 1, 2, ...
     m.def("block_sizes_fit", &llamaprompt::block_sizes_fit, py::arg("usable"));
+    // bytes of the calling thread's stack left (a huge number when unknown): Python code that
+    // decodes deep JSON itself (CPython's json recurses on the C stack) asks it first
+    m.def("stack_left", []() { return llamaprompt::stack_left(); });
     m.attr("CAPS_KEYS") = llamaprompt::caps_keys();
 
     // llama.cpp's common log is silent inside a library unless asked for

@@ -19,6 +19,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from . import _core
+
 __all__ = ["MISPLACED_KWARGS", "Notices", "logger"]
 
 logger = logging.getLogger("llamaprompt")
@@ -26,6 +28,10 @@ logger = logging.getLogger("llamaprompt")
 #: Template variables that the pinned templates read and transformers users pass as
 #: ``apply_chat_template`` keyword arguments; llama-server reads none of them at the top level
 #: of a request (it does read ``reasoning_effort`` there, which is why it is not listed).
+# below this much stack left on the calling thread, a request is not decoded for its notices
+# (the module runs its own calls from such a thread on one with 8 MiB: src/cpp/gil.h)
+SMALL_STACK = 1 << 20
+
 MISPLACED_KWARGS = (
     "enable_thinking",
     "thinking",
@@ -78,6 +84,10 @@ class Notices:
         if isinstance(request, (bytes, str)):
             text = request.encode("utf-8", "surrogatepass") if isinstance(request, str) else request
             if not self._pending_text.search(text):
+                return
+            if _core.stack_left() < SMALL_STACK:
+                # a thread with a small stack: CPython's json could overflow it on a deep request
+                # (the module's own calls move to a thread of their own); the notice waits
                 return
             try:
                 request = json.loads(text)
