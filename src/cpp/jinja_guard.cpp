@@ -26,6 +26,7 @@ struct guard_state {
     uintptr_t stack_floor = 1;  // 1: not computed yet; 0: unknown (no check)
     uintptr_t stack_low = 0;    // the lowest address of the thread's stack (0: unknown)
     uint32_t steps = 0;
+    size_t work = 0;  // jinja_guard_work's bytes since its last clock check
 };
 thread_local guard_state state;
 thread_local std::string last_fired;  // the message of the last guard that fired here
@@ -136,10 +137,10 @@ void jinja_guard_tick() {
 }
 
 void jinja_guard_work(size_t bytes) {
-    static thread_local size_t done = 0;
-    done += bytes + 256;  // a call costs something of its own: 4096 small ones are ~1 MiB
-    if (done >= (size_t(1) << 20)) {
-        done = 0;
+    guard_state & g = state;
+    g.work += bytes + 256;  // a call costs something of its own: 4096 small ones are ~1 MiB
+    if (g.work >= (size_t(1) << 20)) {
+        g.work = 0;
         check_time();
     }
 }

@@ -6,15 +6,19 @@
 #include "jinja/value.h"
 #include "jinja_guard.h"
 
-// each element: the time guard, and every 4096 elements the size guard (an element costs
-// ~48 bytes: its shared_ptr and the value)
-template <typename Array>
-static void llamaprompt_range_push(Array & out, int64_t i) {
-    const size_t n = out->val_arr.size();
+// one more element of a list being built (it holds n, of element_bytes each): the time guard,
+// and every 4096 elements the size guard
+static void llamaprompt_element_step(size_t n, size_t element_bytes) {
     if ((n & 4095) == 4095) {
-        llamaprompt::jinja_guard_size(n * 48, 0);
+        llamaprompt::jinja_guard_size(n * element_bytes, 0);
     }
     llamaprompt::jinja_guard_tick();
+}
+
+// range(): each element (~48 bytes: its shared_ptr and the value)
+template <typename Array>
+static void llamaprompt_range_push(Array & out, int64_t i) {
+    llamaprompt_element_step(out->val_arr.size(), 48);
     out->push_back(jinja::mk_val<jinja::value_int>(i));
 }
 
@@ -23,11 +27,7 @@ static void llamaprompt_range_push(Array & out, int64_t i) {
 // loop never ends, appending the same element until memory runs out)
 template <typename T>
 static void llamaprompt_slice_step(const T & result) {
-    const size_t n = result.size();
-    if ((n & 4095) == 4095) {
-        llamaprompt::jinja_guard_size(n * sizeof(typename T::value_type), 0);
-    }
-    llamaprompt::jinja_guard_tick();
+    llamaprompt_element_step(result.size(), sizeof(typename T::value_type));
 }
 
 // indent(): the size guard on the indentation a width asks for (a negative width is left to
