@@ -31,6 +31,12 @@ SNIPPETS = [
     b"{{ 1 / 0 }}",
     b"{{ tools|map(attribute='x')|list }}",
     b"{{ (messages|length) * 99999999999 }}",
+    # `loop` kept past its iteration, added to, rebound; an earlier iteration's read back
+    # (the loop-object engine rewrite: tests/test_engine_rewrites.py)
+    b"{% set kept = loop %}",
+    b"{% set loop.extra = loop.index %}",
+    b"{% set loop = 0 %}",
+    b"{{ kept.index if kept is defined }}{{ loop.extra if loop.extra is defined }}",
     b"\x00",
     b"\xff\xfe",
     b"\xc3",

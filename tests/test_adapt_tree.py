@@ -512,6 +512,30 @@ def test_tojson_rewrite_is_left_out_whole_when_one_of_its_patterns_is_missing(tr
     assert any("tojson joins a string value's parts" in n for n in info["notes"])
 
 
+def test_loop_reuse_rewrite_needs_the_loop_object_rewrite(tree, tmp_path):
+    # the loop object's refill replaces the loop_object rewrite's text: a tree where that rewrite
+    # does not apply builds without both, the engine upstream's there
+    _edit(tree / "common" / "jinja" / "runtime.cpp", 'loop_obj->insert("length", ', 'loop_obj->insert(("length"), ')
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    loop = [r for r in info["rewrites"] if r.get("engine", "").startswith("for loop: the loop object")]
+    assert len(loop) == 3 and not any(r["applied"] for r in loop)
+    copy = (tmp_path / "out" / "generated" / "jinja-runtime.cpp").read_text()
+    assert "llamaprompt_refill" not in copy and 'scope.set_val("loop", loop_obj);' in copy
+    assert any("loop object refilled" in n for n in info["notes"])
+
+
+def test_date_rewrite_is_left_out_where_format_time_differs(tree, tmp_path):
+    _edit(tree / "common" / "chat.cpp", "    auto res = ss.str();\n    return res;\n", "    return ss.str();\n")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    [date] = [r for r in info["rewrites"] if r.get("engine", "").startswith("the request's date")]
+    assert not date["applied"]
+    assert "llamaprompt_put_time" not in (tmp_path / "out" / "generated" / "chat.cpp").read_text()
+
+
 def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     # a tree whose engine lacks a rewrite's pattern builds without it, with a message
     _edit(
@@ -523,7 +547,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 40
+    assert len(engine) == 42
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])

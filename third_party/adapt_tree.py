@@ -209,6 +209,60 @@ def _loop_object_inserts_with_keys() -> str:
     return text
 
 
+LOOP_KEYS_BUILT = ("    std::vector<value> loop_keys;\n    if (!filtered_items.empty()) loop_keys = {"
+                   + ", ".join(f'mk_val<value_string>("{k}")' for k in LOOP_KEYS) + "};\n")
+LOOP_ITERATION = ("    for (size_t i = 0; i < filtered_items.size(); i++) {\n"
+                  '        JJ_DEBUG("For loop iteration %zu/%zu", i + 1, filtered_items.size());\n')
+LOOP_SET = '        scope.set_val("loop", loop_obj);\n'
+# the loop_object rewrite's iteration head, from the keys to `loop` set in the scope: the text
+# the loop_reuse rewrite replaces (after loop_object's edits, which it needs)
+LOOP_REUSE_OLD = LOOP_KEYS_BUILT + LOOP_ITERATION + _loop_object_inserts_with_keys() + LOOP_SET
+LOOP_REUSE = "for loop: the loop object refilled in place when nothing but the loop's scope holds it"
+
+
+def _loop_reuse_new() -> str:
+    """LOOP_REUSE_OLD with the previous iteration's loop object refilled when only the scope
+    holds it (its `loop` entry: two references, and the loop's own), else built as before."""
+    inserts = _loop_object_inserts_with_keys()
+    values = [line.split(", ", 1)[1].rsplit(");", 1)[0] for line in inserts.splitlines() if "loop_obj->insert(" in line]
+    assert len(values) == len(LOOP_KEYS)
+    build = "".join("    " + line + "\n" for line in inserts.splitlines())
+    build = build.replace("value_object loop_obj = mk_val<value_object>();", "loop_obj = mk_val<value_object>();", 1)
+    declare = (
+        "    // llamaprompt (an engine rewrite, see its adapt_tree.py): the previous iteration's loop\n"
+        "    // object and where its map keeps each value, while it may be refilled\n"
+        "    value_object llamaprompt_loop;\n"
+        "    value * llamaprompt_loop_slots[9] = {};\n")
+    refill = """        value_object loop_obj;
+        // refilled only when no one else can see it: referenced by the scope's `loop` (its map and
+        // list) and llamaprompt_loop alone, with its nine keys as built (objects only grow; a
+        // template that added a key or rebound `loop` gets a new object, as every iteration did)
+        bool llamaprompt_refill = llamaprompt_loop && !scope.is_get_stats && llamaprompt_loop.use_count() == 3 &&
+                                  llamaprompt_loop->val_obj.size() == 9 && llamaprompt_loop->unordered.size() == 9;
+        for (size_t k = 0; llamaprompt_refill && k < 9; ++k) {
+            llamaprompt_refill = llamaprompt_loop->val_obj[k].first == loop_keys[k];
+        }
+        if (llamaprompt_refill && scope.get_val("loop") == llamaprompt_loop) {
+            loop_obj = llamaprompt_loop;
+            value entries[9] = {VALUES};
+            for (size_t k = 0; k < 9; ++k) {
+                loop_obj->val_obj[k].second = entries[k];
+                *llamaprompt_loop_slots[k] = std::move(entries[k]);
+            }
+        } else {
+""".replace("VALUES", ", ".join(values))
+    remember = """            llamaprompt_loop = nullptr;
+            if (!scope.is_get_stats) {
+                llamaprompt_loop = loop_obj;
+                for (size_t k = 0; k < 9; ++k) {
+                    llamaprompt_loop_slots[k] = &loop_obj->unordered.find(loop_keys[k])->second;
+                }
+            }
+        }
+"""
+    return LOOP_KEYS_BUILT + declare + LOOP_ITERATION + refill + build + "    " + LOOP_SET + remember
+
+
 # loops of value.cpp's built-ins that run long without a statement step (the Edits of value.cpp)
 SLICE_PUSH = """        if (i >= 0 && i < len) {
             result.push_back(array[static_cast<size_t>(i)]);
@@ -424,6 +478,17 @@ REWRITES = [
         Edit("autoparser::peg_generator::generate_parser(tmpl, params, autoparser)",
              "llamaprompt_generate_parser(tmpl, params, autoparser)"),
         Edit("arena.load(auto_params.parser)", "llamaprompt_load_parser(arena, auto_params.parser)"),
+        # the date of each request's extra context (common_chat_extra_context, two per request)
+        # was printed through a new std::ostringstream each time; now the same text is kept per
+        # thread for the last (broken-down time, format, locale) printed
+        Edit("""    std::ostringstream ss;
+    ss << std::put_time(&local_time, format.c_str());
+    auto res = ss.str();
+    return res;
+}
+""", """    return llamaprompt_put_time(local_time, format);  // llamaprompt: an engine rewrite (adapt_tree.py)
+}
+""", speed="the request's date: the text printed last for the same time, format and locale, not a new stream per call"),
         # ChatTemplate.template_inputs: the context and output of each render (src/cpp/shim_chat.cpp)
         Edit(TEMPLATE_INPUTS_SITES[0],
              TEMPLATE_INPUTS_SITES[0] + " llamaprompt_capture_inputs(tmpl, ctx, inp, inputs.mark_input);",
@@ -487,11 +552,14 @@ REWRITES = [
     for (size_t i = 0; i < filtered_items.size(); i++) {
 """, """    bool noIteration = true;
     // the loop object's keys: immutable strings, built once per loop that iterates, not per insert
-    std::vector<value> loop_keys;
-    if (!filtered_items.empty()) loop_keys = {""" + ", ".join(f'mk_val<value_string>("{k}")' for k in LOOP_KEYS) + """};
-    for (size_t i = 0; i < filtered_items.size(); i++) {
+""" + LOOP_KEYS_BUILT + """    for (size_t i = 0; i < filtered_items.size(); i++) {
 """, speed=LOOP_OBJECT, group="loop_object"),
         Edit(LOOP_OBJECT_INSERTS, _loop_object_inserts_with_keys(), speed=LOOP_OBJECT, group="loop_object"),
+        # `for`: a new loop object (nine inserts: each key hashed, a map node allocated) and `loop`
+        # set in the scope (a string value built, a search of the scope's list) on every
+        # iteration; now the previous iteration's object is refilled in place when nothing but
+        # the scope's `loop` holds it. Applies to loop_object's text (after it, or not at all)
+        Edit(LOOP_REUSE_OLD, _loop_reuse_new(), speed=LOOP_REUSE),
         # `for`: each item's variable setter (a std::function holding the variable's name: on the
         # heap) was copied into the list of setters; the item and its setter, last used there, move
         Edit("""        filtered_items.push_back(current);

@@ -18,8 +18,11 @@
 #include <cstring>
 #include <type_traits>
 #include <ctime>
+#include <iomanip>
+#include <locale>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <unordered_set>
 
 namespace llamaprompt {
@@ -518,6 +521,71 @@ static std::string llamaprompt_no_gen_render_first(const void * inputs, bool no_
 template <typename Render>
 static std::string llamaprompt_gen_render(const void * inputs, bool generation_prompt, Render && render) {
     return llamaprompt_reuse_render(inputs, generation_prompt, true, std::forward<Render>(render));
+}
+
+namespace llamaprompt {
+#if defined(__GLIBC__)
+// every field strftime may read (glibc's tm_gmtoff and tm_zone: %z, %Z, and locales whose %c
+// prints the zone)
+static bool same_broken_down_time(const std::tm & a, const std::tm & b) {
+    return a.tm_sec == b.tm_sec && a.tm_min == b.tm_min && a.tm_hour == b.tm_hour && a.tm_mday == b.tm_mday &&
+           a.tm_mon == b.tm_mon && a.tm_year == b.tm_year && a.tm_wday == b.tm_wday && a.tm_yday == b.tm_yday &&
+           a.tm_isdst == b.tm_isdst && a.tm_gmtoff == b.tm_gmtoff &&
+           (a.tm_zone == b.tm_zone || (a.tm_zone && b.tm_zone && std::strcmp(a.tm_zone, b.tm_zone) == 0));
+}
+#endif
+}  // namespace llamaprompt
+
+// replaces format_time's `std::ostringstream ss; ss << std::put_time(&local_time, format.c_str());
+// return ss.str();` (adapt_tree.py: an engine rewrite): the same text. A new stream is imbued with
+// the global C++ locale; its text is a function of the broken-down time, the format and that
+// locale, so the last one printed on this thread is reused while all three are the same (every
+// request prints the same two dates within a second). Other C libraries: printed every time.
+static std::string llamaprompt_put_time(const std::tm & local_time, const std::string & format) {
+#if defined(__GLIBC__)
+    struct printed {
+        bool valid = false;
+        std::tm time{};
+        std::string format;
+        std::locale locale;
+        std::string text;
+    };
+    static thread_local printed last[2];  // the request's two formats
+    const std::locale locale;             // the global locale, as a new stream's
+    for (const printed & p : last) {
+        if (p.valid && p.format == format && llamaprompt::same_broken_down_time(p.time, local_time) &&
+            p.locale == locale) {
+            return p.text;
+        }
+    }
+#endif
+    std::ostringstream ss;
+    ss << std::put_time(&local_time, format.c_str());
+#if defined(__GLIBC__)
+    printed * slot = nullptr;  // this format's, else a free one, else the second
+    for (printed & p : last) {
+        if (!slot && p.valid && p.format == format) {
+            slot = &p;
+        }
+    }
+    for (printed & p : last) {
+        if (!slot && !p.valid) {
+            slot = &p;
+        }
+    }
+    if (!slot) {
+        slot = &last[1];
+    }
+    slot->valid = false;
+    slot->time = local_time;
+    slot->format = format;
+    slot->locale = locale;
+    slot->text = ss.str();
+    slot->valid = true;
+    return slot->text;
+#else
+    return ss.str();
+#endif
 }
 
 #include "thread_safe_time.h"

@@ -1,0 +1,105 @@
+"""Edge cases of llamaprompt's engine rewrites (third_party/adapt_tree.py, docs/performance.md):
+what a template can observe where a rewrite takes a shortcut. Each expected prompt is a fact
+of the template language (Jinja's `loop` object, the request's date), so a rewrite that leaks
+one iteration's state into another, or prints a stale date, fails here; the differential run
+(tests/engine_differential.py) then compares the whole engine against the unmodified one."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import llamaprompt
+
+HI = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _render(source: str, request: dict | None = None) -> str:
+    return llamaprompt.ChatTemplate(source).apply_template(request or HI)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        # the loop object of each iteration, read in it
+        ("{% for x in [10, 20, 30] %}{{ loop.index }}{{ loop.index0 }}{{ loop.revindex }}{{ loop.revindex0 }}"
+         "{{ loop.first }}{{ loop.last }}{{ loop.length }};{% endfor %}",
+         "1032TrueFalse3;2121FalseFalse3;3210FalseTrue3;"),
+        ("{% for x in [1, 2, 3] %}{{ loop.previtem }}-{{ loop.nextitem }};{% endfor %}", "-2;1-3;2-;"),
+        # an iteration's object kept past it: each keeps its own numbers
+        ("{% set ns = namespace(first=none) %}{% for x in [1, 2, 3] %}{% if loop.first %}{% set ns.first = loop %}"
+         "{% endif %}{% endfor %}{{ ns.first.index }}{{ ns.first.last }}",
+         "1False"),
+        ("{% set ns = namespace(all=[]) %}{% for x in ['a', 'b', 'c'] %}{% set ns.all = ns.all + [loop] %}{% endfor %}"
+         "{% for l in ns.all %}{{ l.index }}{{ l.previtem }}{% endfor %}",
+         "12a3b"),
+        ("{% for x in [1, 2, 3] %}{% set kept = loop %}{{ kept.index }}{% endfor %}", "123"),
+        # a key added to one iteration's object is not in the next one's
+        ("{% for x in [1, 2, 3] %}{{ loop.extra is defined }}{% set loop.extra = x %}{{ loop.extra }};{% endfor %}",
+         "False1;False2;False3;"),
+        ("{% for x in [1, 2, 3] %}{{ loop.index }}{% set loop.index = 9 %}{{ loop.index }};{% endfor %}",
+         "19;29;39;"),
+        # `loop` rebound in the body, and a loop variable named `loop`
+        ("{% for x in [1, 2] %}{{ loop.index }}{% set loop = 5 %}{{ loop }};{% endfor %}", "15;25;"),
+        ("{% for loop in [7, 8] %}{{ loop }};{% endfor %}", "7;8;"),
+        # nested loops: the inner one's object does not replace the outer one's
+        ("{% for a in [1, 2] %}{% for b in ['x', 'y'] %}{{ loop.index }}{% endfor %}{{ loop.index }};{% endfor %}",
+         "121;122;"),
+        # a loop filter, `continue` and `break`
+        ("{% for x in [1, 2, 3, 4] if x != 2 %}{{ loop.index }}/{{ loop.length }}{{ loop.last }};{% endfor %}",
+         "1/3False;2/3False;3/3True;"),
+        ("{% for x in [1, 2, 3, 4] %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 4 %}{% break %}{% endif %}"
+         "{{ loop.index }}{{ loop.previtem }};{% endfor %}",
+         "1;32;"),
+        # a macro called in the body, and one given `loop`
+        ("{% macro show(l) %}{{ l.index }}{% endmacro %}{% for x in [1, 2] %}{{ show(loop) }}{% endfor %}", "12"),
+    ],
+)
+def test_each_iteration_has_its_own_loop_object(source, expected):
+    assert _render(source) == expected
+
+
+def test_the_date_is_todays_in_the_processs_time_zone():
+    # common_chat_extra_context prints the date of each request (`date_string`, `datetime`); Llama
+    # 3.x templates print it in the system prompt. Printed again when the day or the zone changes.
+    src = "{{ date_string }}|{{ datetime }}"
+    t = llamaprompt.ChatTemplate(src)
+    before = datetime.datetime.now()
+    out = t.apply_template(HI)
+    after = datetime.datetime.now()
+    expected = {d.strftime("%d %b %Y") + "|" + d.strftime("%b %d %Y") for d in (before, after)}
+    assert out in expected
+    assert t.apply_template(HI) in expected | {out}
+
+
+@pytest.mark.skipif(not hasattr(time, "tzset"), reason="time.tzset is POSIX")
+def test_the_date_follows_a_time_zone_change_in_the_same_second():
+    # two zones 26 hours apart are on different dates at any instant: the second render, right
+    # after the change, must print the other zone's date, not the one printed before it
+    code = """
+import os, time, datetime, llamaprompt
+t = llamaprompt.ChatTemplate("{{ date_string }}")
+req = {"messages": [{"role": "user", "content": "hi"}]}
+out = []
+for zone in ("Etc/GMT+12", "Etc/GMT-14", "Etc/GMT+12"):
+    os.environ["TZ"] = zone
+    time.tzset()
+    want = datetime.datetime.now().strftime("%d %b %Y")
+    got = t.apply_template(req)
+    out.append((want, got))
+print(repr(out))
+"""
+    env = dict(os.environ)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    pairs = eval(res.stdout)  # noqa: S307  (our own repr of a list of string pairs)
+    # (a day boundary between the two reads of a pair would make them differ once: retry-free
+    # check on the pairs whose zone's day did not change)
+    dates = [got for _, got in pairs]
+    assert dates[0] != dates[1] and dates[1] != dates[2]
+    assert sum(want == got for want, got in pairs) >= 2
