@@ -536,6 +536,23 @@ def test_date_rewrite_is_left_out_where_format_time_differs(tree, tmp_path):
     assert "llamaprompt_put_time" not in (tmp_path / "out" / "generated" / "chat.cpp").read_text()
 
 
+def test_caps_lookup_rewrite_is_left_out_where_caps_is_used_otherwise(tree, tmp_path):
+    # oaicompat_chat_params_parse reading another of the caps: the lookup would serve it from the
+    # map anyway, but the probe asks that `caps` be named only where it was read: both files keep
+    # upstream's code
+    server = tree / "tools" / "server" / "server-common.cpp"
+    _edit(server, '    inputs.grammar                = grammar;\n',
+          '    inputs.grammar                = caps["supports_tools"] ? grammar : grammar;\n')
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    assert not [r for r in info["rewrites"] if r.get("engine", "").startswith("the request's parallel_tool_calls")]
+    assert any("uses `caps` for more than the parallel_tool_calls default" in n for n in info["notes"])
+    generated = tmp_path / "out" / "generated"
+    assert "llamaprompt_templates_caps" not in (generated / "chat.cpp").read_text()
+    assert "auto caps = common_chat_templates_get_caps(opt.tmpls.get());" in (generated / "server-common.cpp").read_text()
+
+
 def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     # a tree whose engine lacks a rewrite's pattern builds without it, with a message
     _edit(
@@ -547,7 +564,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 42
+    assert len(engine) == 44
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])

@@ -103,3 +103,19 @@ print(repr(out))
     dates = [got for _, got in pairs]
     assert dates[0] != dates[1] and dates[1] != dates[2]
     assert sum(want == got for want, got in pairs) >= 2
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B", "GigaChat3.1-10B-A1.8B"])
+def test_parallel_tool_calls_defaults_to_the_templates_caps(name):
+    # oaicompat_chat_params_parse: a request without `parallel_tool_calls` takes the template's
+    # caps["supports_parallel_tool_calls"] (True for Qwen3, False for GigaChat 3.1), and the tool
+    # grammar of both templates depends on it
+    from llamaprompt.fixtures import default_requests
+    from llamaprompt.pinned import pinned_template
+
+    t = llamaprompt.ChatTemplate.from_file(pinned_template(name))
+    request = default_requests()["tools"]
+    grammars = {value: t.apply({**request, "parallel_tool_calls": value}).grammar for value in (True, False)}
+    assert grammars[True] != grammars[False]
+    assert t.apply(request).grammar == grammars[t.caps["supports_parallel_tool_calls"]]
+    assert t.caps["supports_parallel_tool_calls"] is (name == "Qwen-Qwen3-0.6B")

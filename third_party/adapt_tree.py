@@ -1376,6 +1376,61 @@ def member_text_edits(tree: Tree, notes: list[str]) -> list[Edit]:
 
 
 
+# oaicompat_chat_params_parse (server-common.cpp) built the template's caps as a std::map of nine
+# strings (common_chat_templates_get_caps, chat.cpp) on every request, to read one of them: the
+# default of the request's parallel_tool_calls. Now `caps` is a lookup whose operator[] reads that
+# one member of the same template's caps -- chosen by a copy of common_chat_templates_get_caps's
+# own body that returns the caps instead of their map -- and gives any other name upstream's map.
+# Probed: `caps` is named only by its declaration and that subscript, caps.cpp's to_map() maps
+# the name to the member of the same name, and get_caps's body only asserts, chooses a template
+# and returns `<template>->caps.to_map()`.
+CAPS_LOOKUP = "the request's parallel_tool_calls default: one member of the caps read, not their map built"
+GET_CAPS_HEAD = ("std::map<std::string, bool> common_chat_templates_get_caps("
+                 "const common_chat_templates * chat_templates) {")
+CAPS_DECL = "    auto caps = common_chat_templates_get_caps(opt.tmpls.get());\n"
+CAPS_USE = 'caps["supports_parallel_tool_calls"]'
+SERVER_COMMON = "tools/server/server-common.cpp"
+
+
+def caps_lookup_edits(tree: Tree, notes: list[str]) -> dict[str, list[Edit]]:
+    """The caps_lookup group (chat.cpp and server-common.cpp), where the probe holds; else none."""
+    if not (tree.has(SERVER_COMMON) and tree.has("common/jinja/caps.cpp")):
+        return {}
+    chat, server = tree.read("common/chat.cpp"), tree.read(SERVER_COMMON)
+    problems = []
+    if chat.count(GET_CAPS_HEAD) != 1:
+        problems.append("common_chat_templates_get_caps is not defined as expected")
+        body = ""
+    else:
+        at = chat.find(GET_CAPS_HEAD)
+        body = chat[at:_block_end(chat, chat.find("{", at)) + 1]
+        derived = body.replace("->caps.to_map();", "->caps;")
+        statements = [line.strip() for line in code_only(derived).splitlines()[1:-1] if line.strip()]
+        allowed = ("GGML_ASSERT(", "if (chat_templates->", "}", "return chat_templates->")
+        if "to_map" in derived or "->caps;" not in derived or not all(st.startswith(allowed) for st in statements):
+            problems.append("common_chat_templates_get_caps does more than choose a template's caps.to_map()")
+    named = len(re.findall(r"\bcaps\b", code_only(server)))
+    if named != 2 or server.count(CAPS_DECL) != 1 or server.count(CAPS_USE) != 1:
+        problems.append("oaicompat_chat_params_parse uses `caps` for more than the parallel_tool_calls default")
+    entry = '{"supports_parallel_tool_calls", supports_parallel_tool_calls}'
+    if norm(entry) not in norm(tree.read("common/jinja/caps.cpp")):
+        problems.append("caps::to_map() does not map supports_parallel_tool_calls to its member")
+    if problems:
+        notes.append(f"{SERVER_COMMON}: engine rewrite not applied ({'; '.join(problems)}); "
+                     f"upstream's code there (slower: {CAPS_LOOKUP})")
+        return {}
+    head = "const jinja::caps & llamaprompt_templates_caps(const common_chat_templates * chat_templates) {"
+    derived = derived.replace(GET_CAPS_HEAD, head, 1)
+    return {
+        "common/chat.cpp": [Edit(body, body + "\n\n// llamaprompt (an engine rewrite, see its adapt_tree.py): "
+                                 "common_chat_templates_get_caps's choice, the caps themselves\n" + derived,
+                                 speed=CAPS_LOOKUP, group="caps_lookup")],
+        SERVER_COMMON: [Edit(CAPS_DECL, "    auto caps = llamaprompt_caps_lookup(opt.tmpls.get());"
+                             "  // llamaprompt: an engine rewrite (adapt_tree.py)\n",
+                             speed=CAPS_LOOKUP, group="caps_lookup")],
+    }
+
+
 # tojson (value_to_json_internal, value.cpp) wrote a string value's escaped text one character at a
 # time (`oss << c`: a stream insertion per byte), after copying the value's parts and joining them
 # (`as_string().str()`), and inserted empty strings for the indentation and line breaks of compact
@@ -2515,6 +2570,8 @@ def main(argv: list[str]) -> int:
                 probed["common/jinja/value.cpp"] = tojson_edits(tree, notes)
             if tree.has("common/jinja/runtime.h"):
                 probed["common/jinja/runtime.h"] = leaf_stmt_test_edits(tree, notes)
+        for rel, edits in caps_lookup_edits(tree, notes).items():
+            probed[rel] = probed.get(rel, []) + edits
         handlers = no_gen_reuse_rewrites(tree, notes, handlers, probed)
         rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, probed)
         server_chat_params_check(tree)

@@ -68,6 +68,22 @@ const char * get_media_marker() {
     return current && current->call ? current->call->media_marker.c_str() : fallback.c_str();
 }
 
+// oaicompat_chat_params_parse's `caps` where its engine rewrite applies (adapt_tree.py
+// caps_lookup_edits): what common_chat_templates_get_caps(tmpls)[name] gives, without building the
+// map for the one name it reads. llamaprompt_templates_caps: get_caps's own choice of template, in
+// the generated chat.cpp (linked only where this is used)
+const jinja::caps & llamaprompt_templates_caps(const common_chat_templates * chat_templates);
+struct llamaprompt_caps_lookup {
+    const common_chat_templates * tmpls;
+    explicit llamaprompt_caps_lookup(const common_chat_templates * t) : tmpls(t) {}
+    bool operator[](const std::string & name) const {
+        if (name == "supports_parallel_tool_calls") {  // caps::to_map()'s entry for that member (probed)
+            return llamaprompt_templates_caps(tmpls).supports_parallel_tool_calls;
+        }
+        return common_chat_templates_get_caps(tmpls)[name];
+    }
+};
+
 #define common_chat_templates_apply llamaprompt::capture_apply
 #define common_remote_get_content llamaprompt::remote_get_content
 #include "server-common.cpp"  // the generated copy, see CMakeLists.txt
