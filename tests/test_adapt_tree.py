@@ -554,6 +554,18 @@ def test_caps_lookup_rewrite_is_left_out_where_caps_is_used_otherwise(tree, tmp_
     assert "auto caps = common_chat_templates_get_caps(opt.tmpls.get());" in server_copy
 
 
+def test_normalize_move_rewrite_is_left_out_where_normalize_reads_its_input_again(tree, tmp_path):
+    # a normalize that read `messages` after its loop could see what the moving overload moved out
+    _edit(tree / "common" / "chat.cpp", "        return normalized;\n    }\n",
+          "        return messages.empty() ? messages : normalized;\n    }\n")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    assert not [r for r in info["rewrites"] if r.get("engine", "").startswith("the request's messages normalized")]
+    assert any("messages_inp_normalizer::normalize" in n for n in info["notes"])
+    assert "normalize(json && messages)" not in (tmp_path / "out" / "generated" / "chat.cpp").read_text()
+
+
 def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     # a tree whose engine lacks a rewrite's pattern builds without it, with a message
     _edit(
@@ -565,7 +577,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 44
+    assert len(engine) == 46
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])

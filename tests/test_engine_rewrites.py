@@ -119,3 +119,19 @@ def test_parallel_tool_calls_defaults_to_the_templates_caps(name):
     assert grammars[True] != grammars[False]
     assert t.apply(request).grammar == grammars[t.caps["supports_parallel_tool_calls"]]
     assert t.caps["supports_parallel_tool_calls"] is (name == "Qwen-Qwen3-0.6B")
+
+
+def test_typed_content_is_joined_for_a_string_only_template():
+    # render_message_to_json's normalization (the messages moved, no longer copied): Qwen3 takes
+    # string content only, so typed text parts are joined with a newline (concat_content_parts),
+    # and its template prints a user message as <|im_start|>user, a newline, the content, <|im_end|>
+    from llamaprompt.pinned import pinned_template
+
+    t = llamaprompt.ChatTemplate.from_file(pinned_template("Qwen-Qwen3-0.6B"))
+    assert t.caps["supports_string_content"] and not t.caps["supports_typed_content"]
+    typed = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    plain = {"messages": [{"role": "user", "content": "a\nb"}]}
+    for _ in range(2):  # the same request again: nothing of the first call's moved messages is left
+        prompt = t.apply_template(typed)
+        assert "<|im_start|>user\na\nb<|im_end|>" in prompt
+        assert prompt == t.apply_template(plain)

@@ -1431,6 +1431,42 @@ def caps_lookup_edits(tree: Tree, notes: list[str]) -> dict[str, list[Edit]]:
     }
 
 
+# render_message_to_json (chat.cpp) builds the request's messages as JSON, then hands them to
+# messages_inp_normalizer::normalize(const json &), which copies them whole (no normalization:
+# `return messages;`) or message by message (`json copy = msg;`) -- every request, the local
+# then destroyed. Now that call passes the local as an rvalue to an overload of normalize
+# generated from its own body, which moves where the original copies; the same JSON.
+NORMALIZE_MOVE = "the request's messages normalized by moving them, not copying them"
+NORMALIZE_HEAD = "    json normalize(const json & messages) {\n"
+NORMALIZE_CALL = "    return messages_inp_normalizer(c).normalize(messages);\n"
+NORMALIZE_COPIES = (("            return messages;\n", "            return std::move(messages);\n"),
+                    ("        for (const auto & msg : messages) {\n            json copy = msg;\n",
+                     "        for (auto & msg : messages) {\n            json copy = std::move(msg);\n"))
+
+
+def normalize_move_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """chat.cpp edits (a group): normalize's rvalue overload, and render_message_to_json's call of it."""
+    chat = tree.read("common/chat.cpp")
+    body = ""
+    if chat.count(NORMALIZE_HEAD) == 1 and chat.count(NORMALIZE_CALL) == 1:
+        at = chat.find(NORMALIZE_HEAD)
+        body = chat[at:_block_end(chat, chat.find("{", at)) + 1] + "\n"
+    derived = body.replace(NORMALIZE_HEAD, "    json normalize(json && messages) {\n", 1)
+    for old, new in NORMALIZE_COPIES:
+        derived = derived.replace(old, new) if body.count(old) == 1 else ""
+    # what remains of the body names `messages` only where it did (is_array, the loop): no other read
+    if not derived or len(re.findall(r"\bmessages\b", code_only(body))) != 4 or "msg" in derived.replace(
+            "for (auto & msg : messages)", "").replace("json copy = std::move(msg);", ""):
+        notes.append("common/chat.cpp: engine rewrite not applied (messages_inp_normalizer::normalize or its "
+                     f"call in render_message_to_json is not as expected); upstream's code there (slower: "
+                     f"{NORMALIZE_MOVE})")
+        return []
+    return [Edit(body, body + "    // llamaprompt (an engine rewrite, see its adapt_tree.py): the same, for messages "
+                 "it may move from\n" + derived, speed=NORMALIZE_MOVE, group="normalize_move"),
+            Edit(NORMALIZE_CALL, "    return messages_inp_normalizer(c).normalize(std::move(messages));\n",
+                 speed=NORMALIZE_MOVE, group="normalize_move")]
+
+
 # tojson (value_to_json_internal, value.cpp) wrote a string value's escaped text one character at a
 # time (`oss << c`: a stream insertion per byte), after copying the value's parts and joining them
 # (`as_string().str()`), and inserted empty strings for the indentation and line breaks of compact
@@ -2572,6 +2608,7 @@ def main(argv: list[str]) -> int:
                 probed["common/jinja/runtime.h"] = leaf_stmt_test_edits(tree, notes)
         for rel, edits in caps_lookup_edits(tree, notes).items():
             probed[rel] = probed.get(rel, []) + edits
+        probed["common/chat.cpp"] = probed.get("common/chat.cpp", []) + normalize_move_edits(tree, notes)
         handlers = no_gen_reuse_rewrites(tree, notes, handlers, probed)
         rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, probed)
         server_chat_params_check(tree)
