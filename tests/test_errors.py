@@ -68,6 +68,18 @@ def test_request_type_checked(qwen3):
         qwen3.apply_template(42)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", [b"a", {1, 2}, object(), float("nan")])
+def test_a_value_json_cannot_carry_is_a_bad_request(qwen3, value):
+    # as NaN: no JSON text holds it, so llama-server could never receive it (400), for every entry point
+    request = {"messages": [{"role": "user", "content": value}]}
+    for call in (qwen3.apply_template, qwen3.apply, qwen3.template_inputs):
+        with pytest.raises(llamaprompt.RequestError, match="request is not valid JSON") as info:
+            call(request)
+        assert info.value.status == 400
+    with pytest.raises(llamaprompt.RequestError, match="request is not valid JSON"):
+        qwen3.apply_template({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {(1, 2): 3}})
+
+
 @pytest.mark.parametrize(
     "args",
     [

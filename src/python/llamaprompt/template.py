@@ -615,7 +615,8 @@ class ChatTemplate:
             With ``tokens=True``: ``PromptTokens(prompt, tokens)``, tokens an int32 ndarray of shape (n,).
 
         Raises:
-            RequestError: llama-server would answer 400.
+            RequestError: llama-server would answer 400, or a request mapping holds what no JSON
+                text can (NaN, bytes, a set, a key that is no string: llama-server never sees it).
             TemplateError: llama-server would answer 500 (e.g. the template raised), or the
                 template execution exceeded a budget (time, stack, output size).
             TypeError: ``tokens=True`` for a template not loaded from a GGUF file.

@@ -46,8 +46,9 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
 
 def request_body(request: Request) -> bytes:
     """The body llama.cpp parses: JSON text as given (its parser judges it, as llama-server's),
-    or a mapping as JSON. Raises RequestError (400) for NaN/Infinity or nesting too deep for
-    Python's encoder, TypeError for anything but a mapping, str or bytes."""
+    or a mapping as JSON. Raises RequestError (400) for what JSON cannot carry (NaN/Infinity, a
+    value or key of a type that is no JSON: bytes, a set, a tuple key, ...) or nesting too deep
+    for Python's encoder, TypeError for a request that is no mapping, str or bytes."""
     if isinstance(request, (str, bytes)):
         # the text goes to llama.cpp as it is (its parser, its messages); _core refuses
         # bodies nested more than 1000 levels deep before parsing them
@@ -56,7 +57,7 @@ def request_body(request: Request) -> bytes:
         raise TypeError(f"request must be a mapping or JSON text, not {type(request).__name__}")
     try:
         text = _ENCODER.encode(request if type(request) is dict else dict(request))
-    except ValueError as e:  # NaN/Infinity: not JSON, llama-server could never receive it
+    except (ValueError, TypeError) as e:  # NaN/Infinity, bytes, ...: not JSON, llama-server could never receive it
         raise RequestError(f"request is not valid JSON: {e}", 400) from None
     except RecursionError:
         raise RequestError("request is nested too deeply", 400) from None
