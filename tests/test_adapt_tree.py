@@ -512,14 +512,20 @@ def test_tojson_rewrite_is_left_out_whole_when_one_of_its_patterns_is_missing(tr
     assert any("tojson joins a string value's parts" in n for n in info["notes"])
 
 
+def _rewrite_records(tree: Path, tmp_path: Path, engine: str) -> tuple[dict, list[dict]]:
+    """Adapt ``tree`` (which must succeed): tree_info, and the records of the engine rewrites
+    whose description begins with ``engine``."""
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    return info, [r for r in info["rewrites"] if r.get("engine", "").startswith(engine)]
+
+
 def test_loop_reuse_rewrite_needs_the_loop_object_rewrite(tree, tmp_path):
     # the loop object's refill replaces the loop_object rewrite's text: a tree where that rewrite
     # does not apply builds without both, the engine upstream's there
     _edit(tree / "common" / "jinja" / "runtime.cpp", 'loop_obj->insert("length", ', 'loop_obj->insert(("length"), ')
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    info = _info(tmp_path)
-    loop = [r for r in info["rewrites"] if r.get("engine", "").startswith("for loop: the loop object")]
+    info, loop = _rewrite_records(tree, tmp_path, "for loop: the loop object")
     assert len(loop) == 3 and not any(r["applied"] for r in loop)
     copy = (tmp_path / "out" / "generated" / "jinja-runtime.cpp").read_text()
     assert "llamaprompt_refill" not in copy and 'scope.set_val("loop", loop_obj);' in copy
@@ -528,10 +534,7 @@ def test_loop_reuse_rewrite_needs_the_loop_object_rewrite(tree, tmp_path):
 
 def test_date_rewrite_is_left_out_where_format_time_differs(tree, tmp_path):
     _edit(tree / "common" / "chat.cpp", "    auto res = ss.str();\n    return res;\n", "    return ss.str();\n")
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    info = _info(tmp_path)
-    [date] = [r for r in info["rewrites"] if r.get("engine", "").startswith("the request's date")]
+    _, [date] = _rewrite_records(tree, tmp_path, "the request's date")
     assert not date["applied"]
     assert "llamaprompt_put_time" not in (tmp_path / "out" / "generated" / "chat.cpp").read_text()
 
@@ -543,10 +546,8 @@ def test_caps_lookup_rewrite_is_left_out_where_caps_is_used_otherwise(tree, tmp_
     server = tree / "tools" / "server" / "server-common.cpp"
     _edit(server, '    inputs.grammar                = grammar;\n',
           '    inputs.grammar                = caps["supports_tools"] ? grammar : grammar;\n')
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    info = _info(tmp_path)
-    assert not [r for r in info["rewrites"] if r.get("engine", "").startswith("the request's parallel_tool_calls")]
+    info, caps = _rewrite_records(tree, tmp_path, "the request's parallel_tool_calls")
+    assert not caps
     assert any("uses `caps` for more than the parallel_tool_calls default" in n for n in info["notes"])
     generated = tmp_path / "out" / "generated"
     assert "llamaprompt_templates_caps" not in (generated / "chat.cpp").read_text()
@@ -558,10 +559,8 @@ def test_normalize_move_rewrite_is_left_out_where_normalize_reads_its_input_agai
     # a normalize that read `messages` after its loop could see what the moving overload moved out
     _edit(tree / "common" / "chat.cpp", "        return normalized;\n    }\n",
           "        return messages.empty() ? messages : normalized;\n    }\n")
-    proc = _run(tree, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    info = _info(tmp_path)
-    assert not [r for r in info["rewrites"] if r.get("engine", "").startswith("the request's messages normalized")]
+    info, normalize = _rewrite_records(tree, tmp_path, "the request's messages normalized")
+    assert not normalize
     assert any("messages_inp_normalizer::normalize" in n for n in info["notes"])
     assert "normalize(json && messages)" not in (tmp_path / "out" / "generated" / "chat.cpp").read_text()
 

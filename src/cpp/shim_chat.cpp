@@ -562,27 +562,15 @@ static std::string llamaprompt_put_time(const std::tm & local_time, const std::s
     std::ostringstream ss;
     ss << std::put_time(&local_time, format.c_str());
 #if defined(__GLIBC__)
-    printed * slot = nullptr;  // this format's, else a free one, else the second
-    for (printed & p : last) {
-        if (!slot && p.valid && p.format == format) {
-            slot = &p;
-        }
-    }
-    for (printed & p : last) {
-        if (!slot && !p.valid) {
-            slot = &p;
-        }
-    }
-    if (!slot) {
-        slot = &last[1];
-    }
-    slot->valid = false;
-    slot->time = local_time;
-    slot->format = format;
-    slot->locale = locale;
-    slot->text = ss.str();
-    slot->valid = true;
-    return slot->text;
+    // the first slot for the first format printed, the second for any other
+    printed & slot = !last[0].valid || last[0].format == format ? last[0] : last[1];
+    slot.valid = false;
+    slot.time = local_time;
+    slot.format = format;
+    slot.locale = locale;
+    slot.text = ss.str();
+    slot.valid = true;
+    return slot.text;
 #else
     return ss.str();
 #endif
