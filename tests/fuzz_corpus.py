@@ -37,6 +37,13 @@ SNIPPETS = [
     b"{% set loop.extra = loop.index %}",
     b"{% set loop = 0 %}",
     b"{{ kept.index if kept is defined }}{{ loop.extra if loop.extra is defined }}",
+    # a call block's `caller` kept and called after its variables changed (here, or in a later
+    # iteration), a loop's `else` block setting a variable (the scope_chain engine rewrite)
+    b"{% set ns_k = namespace(f=none) %}{% macro keep() %}{% set ns_k.f = caller %}{% endmacro %}{% set sx = 1 %}"
+    b"{% call keep() %}{{ sx }}{{ loop.index if loop is defined }}{{ message is defined }}{% endcall %}"
+    b"{% set sx = 2 %}",
+    b"{{ ns_k.f() if ns_k is defined and ns_k.f }}{{ sx if sx is defined }}",
+    b"{% for q in [] %}{% else %}{% set sx = 3 %}{% endfor %}",
     b"\x00",
     b"\xff\xfe",
     b"\xc3",

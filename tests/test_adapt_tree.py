@@ -532,6 +532,29 @@ def test_loop_reuse_rewrite_needs_the_loop_object_rewrite(tree, tmp_path):
     assert any("loop object refilled" in n for n in info["notes"])
 
 
+def test_scope_chain_rewrite_is_left_out_whole_when_one_of_its_patterns_is_missing(tree, tmp_path):
+    # the scope chain's six edits apply together, some to the text of other rewrites (the copy
+    # constructor's, get_val's): a tree whose print_vars differs keeps the copied scopes, and the
+    # loop object's refill then compiles without its check of the chain (#ifdef)
+    runtime_h = tree / "common" / "jinja" / "runtime.h"
+    _edit(runtime_h, "value_to_json(env, 2)", "value_to_json(env, 4)")
+    info, chain = _rewrite_records(tree, tmp_path, "new scope (each for loop, macro call, call block): reads")
+    assert len(chain) == 6 and not any(r["applied"] for r in chain)
+    assert any("another edit of its group is not found" in r.get("skipped", "") for r in chain)
+    mirrored = (tmp_path / "out" / "generated" / "mirror" / "common" / "jinja" / "runtime.h").read_text()
+    assert "llamaprompt_scope_object" not in mirrored and "env(mk_val<value_object>(*parent.env))" in mirrored
+    copy = (tmp_path / "out" / "generated" / "jinja-runtime.cpp").read_text()
+    assert "#ifdef LLAMAPROMPT_SCOPE_CHAIN" in copy and "llamaprompt_refill" in copy
+    # with the copy constructor's own rewrite missing, the chain (which rewrites its text) goes too
+    _edit(runtime_h, "value_to_json(env, 4)", "value_to_json(env, 2)")
+    _edit(runtime_h, "        current_time = parent.current_time;\n",
+          "        this->current_time = parent.current_time;\n")
+    info, chain = _rewrite_records(tree, tmp_path, "new scope (each")
+    assert len(chain) == 7 and not any(r["applied"] for r in chain)  # the copy constructor's and the chain's
+    assert "llamaprompt_scope_object" not in (tmp_path / "out" / "generated" / "mirror" / "common" / "jinja" /
+                                               "runtime.h").read_text()
+
+
 def test_date_rewrite_is_left_out_where_format_time_differs(tree, tmp_path):
     _edit(tree / "common" / "chat.cpp", "    auto res = ss.str();\n    return res;\n", "    return ss.str();\n")
     _, [date] = _rewrite_records(tree, tmp_path, "the request's date")
@@ -576,14 +599,14 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 46
+    assert len(engine) == 54
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])
     # the mirrored headers: byte for byte but for the rewritten function bodies
     mirrored = tmp_path / "out" / "generated" / "mirror" / "common"
     assert (mirrored / "chat.h").read_bytes() == (tree / "common" / "chat.h").read_bytes()
-    assert "env(mk_val<value_object>(*parent.env))" in (mirrored / "jinja" / "runtime.h").read_text()
+    assert "scope->parent = from && from->unordered.empty()" in (mirrored / "jinja" / "runtime.h").read_text()
     # --no-engine-rewrites: upstream's engine as it is
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tree), str(tmp_path / "out"), "--no-engine-rewrites"],

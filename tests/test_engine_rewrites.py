@@ -1,7 +1,9 @@
 """Edge cases of llamaprompt's engine rewrites (third_party/adapt_tree.py, docs/performance.md):
 what a template can observe where a rewrite takes a shortcut. Each expected prompt is a fact
-of the template language (Jinja's `loop` object, the request's date), so a rewrite that leaks
-one iteration's state into another, or prints a stale date, fails here; the differential run
+of the template language (Jinja's `loop` object, the request's date) or of llama.cpp's engine
+as its code reads (which scope a statement runs in), so a rewrite that leaks one iteration's
+state into another, lets a scope see a later change of its parent's variables, or prints a
+stale date, fails here; the differential run
 (tests/engine_differential.py) then compares the whole engine against the unmodified one."""
 
 from __future__ import annotations
@@ -61,6 +63,49 @@ def _render(source: str, request: dict | None = None) -> str:
     ],
 )
 def test_each_iteration_has_its_own_loop_object(source, expected):
+    assert _render(source) == expected
+
+
+# llama.cpp's scopes (runtime.cpp): a `for` runs its body in one scope made from the enclosing
+# one (what the body sets stays in it, for every later iteration, and is gone after the loop);
+# its `else` block runs in the enclosing scope; a macro call's scope is made from the caller's;
+# a call block's body runs in a scope made from the one at the `call` -- its variables as they
+# were there, whenever `caller` is called. A scope that shared its parent's variables instead of
+# having them as they were fails here
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        # set in the body: seen by the next iteration, not after the loop
+        ("{% set x = 1 %}{% for m in ['a', 'b'] %}{{ x }}{{ m }}{% set x = 2 %}{{ x }};{% endfor %}{{ x }}",
+         "1a2;2b2;1"),
+        # nested loops: the inner one reads the outer one's variable and shadows it for itself only
+        ("{% for a in [1, 2] %}{% set t = a %}{% for b in [3, 4] %}{{ t }}{{ b }}{% set t = b %}{{ t }},{% endfor %}"
+         "{{ t }}{{ loop.index }};{% endfor %}",
+         "133,344,11;233,344,22;"),
+        # the `else` block sets in the enclosing scope
+        ("{% set x = 1 %}{% for i in [] %}{% else %}{% set x = 7 %}{% endfor %}{{ x }}", "7"),
+        # a macro reads its caller's variables; what it sets stays in its call
+        ("{% set x = 1 %}{% macro f(a) %}[{{ a }}{{ x }}{{ y }}]{% set x = 5 %}{{ x }}{% endmacro %}"
+         "{% set y = 3 %}{{ f(0) }}{{ x }}{% set y = 4 %}{{ f(9) }}",
+         "[013]51[914]5"),
+        # recursion: each call has its own `k`
+        ("{% macro r(n) %}{% if n > 0 %}{% set k = n %}{{ k }}{{ r(n - 1) }}{{ k }}{% endif %}{% endmacro %}{{ r(3) }}",
+         "321123"),
+        # a call block's body: the variables at the `call`, also when `caller` is called later
+        ("{% set ns = namespace(f=none) %}{% macro keep() %}{% set ns.f = caller %}{% endmacro %}{% set x = 1 %}"
+         "{% call keep() %}<{{ x }}>{% endcall %}{% set x = 2 %}{{ ns.f() }}{{ x }}",
+         "<1>2"),
+        # ... kept from a loop's first iteration: that iteration's item and `loop`
+        ("{% set ns = namespace(f=none) %}{% macro keep() %}{% set ns.f = caller %}{% endmacro %}"
+         "{% for i in [1, 2, 3] %}{% set j = i * 10 %}{% if loop.first %}{% call keep() %}"
+         "<{{ i }}:{{ j }}:{{ loop.index }}:{{ loop.last }}>{% endcall %}{% endif %}{% endfor %}{{ ns.f() }}",
+         "<1:10:1:False>"),
+        ("{% macro m(n) %}{{ caller(n) }}{{ caller(n + 1) }}{% endmacro %}{% set z = 9 %}"
+         "{% call(v) m(1) %}({{ v }}{{ z }}){% endcall %}",
+         "(19)(29)"),
+    ],
+)
+def test_each_scope_has_its_variables_as_they_were_when_it_was_made(source, expected):
     assert _render(source) == expected
 
 

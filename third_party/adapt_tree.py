@@ -182,6 +182,63 @@ class Rewrite:
     edits: list[Edit]
 
 
+# jinja::context's copy constructor and get_val as the engine rewrites of runtime.h make them
+# (the scope_chain rewrite applies to these texts)
+CONTEXT_COPY = """    context(const context & parent)
+        : src(parent.src), current_time(parent.current_time), is_get_stats(parent.is_get_stats),
+          env(mk_val<value_object>(*parent.env)) {
+        // inherit variables (for example, when entering a new scope): the parent's, in its order
+        // (which begins with the constants every scope defines), copied without re-inserting each
+        env->stats = value_t::stats_t();
+    }
+"""
+CONTEXT_GET_VAL = """    value get_val(const std::string & name) {
+        // the variable, or `undefined` (built only for a missing name): env is a plain object.
+        // The key is the one-part string value that mk_val<value_string>(name) builds, kept per
+        // thread and given the name's text (the lookup only hashes and compares it)
+        static thread_local const value key = mk_val<value_string>(std::string());
+        auto & parts = static_cast<value_string_t &>(*key).val_str.parts;
+        parts.resize(1);
+        parts[0].is_input = false;
+        parts[0].val.assign(name);
+        auto it = env->unordered.find(key);
+        return it != env->unordered.end() ? it->second : mk_val<value_undefined>(name);
+    }
+"""
+
+
+OBJECT_INSERT = "object insert: the key hashed once, not twice"
+SCOPE_CHAIN = ("new scope (each for loop, macro call, call block): reads its parent's variables through it "
+               "instead of copying them")
+SCOPE_OBJECT = """// llamaprompt (the scope_chain engine rewrite, see its adapt_tree.py): a scope's variables --
+// those it set itself, over those of the scope it was made from. Only jinja::context's env holds
+// one: no template value is of this type (value.h's type tests by typeid never see it), and what
+// prints the variables prints a plain object of them (llamaprompt_all_vars). The loop object's
+// refill (runtime.cpp) checks for it
+#define LLAMAPROMPT_SCOPE_CHAIN 1
+struct llamaprompt_scope_object final : value_object_t {
+    value_object parent;  // the variables of the scope this one was made from; null: none
+    // the scope object that `vars` is; null for a plain object (a first scope, or a context made
+    // by code compiled without this rewrite): it has no parent
+    static const llamaprompt_scope_object * of(const value_object_t & vars) {
+        return typeid(vars) == typeid(llamaprompt_scope_object) ? static_cast<const llamaprompt_scope_object *>(&vars)
+                                                                : nullptr;
+    }
+#ifdef LLAMAPROMPT_INSERT_PLAIN
+    // a plain object's insert (value.h's object_insert rewrite): this type overrides nothing else
+    using value_object_t::insert;
+    void insert(const value & key, const value & val) override {
+        if (is_immutable()) {
+            throw std::runtime_error("Attempting to modify immutable type");
+        }
+        llamaprompt_insert_plain(key, val);
+    }
+#endif
+};
+
+"""
+
+
 # for_statement's `loop` object (the loop_object engine rewrite below)
 LOOP_KEYS = ("index", "index0", "revindex", "revindex0", "first", "last", "length", "previtem", "nextitem")
 LOOP_OBJECT = "for loop: the loop object's keys built once per loop, its entries reserved"
@@ -242,6 +299,9 @@ def _loop_reuse_new() -> str:
         for (size_t k = 0; llamaprompt_refill && k < 9; ++k) {
             llamaprompt_refill = llamaprompt_loop->val_obj[k].first == loop_keys[k];
         }
+#ifdef LLAMAPROMPT_SCOPE_CHAIN  // (runtime.h's scope_chain rewrite) nor a scope made from this one
+        llamaprompt_refill = llamaprompt_refill && !scope.llamaprompt_vars_shared();
+#endif
         if (llamaprompt_refill && scope.get_val("loop") == llamaprompt_loop) {
             loop_obj = llamaprompt_loop;
             value entries[9] = {VALUES};
@@ -890,7 +950,34 @@ HEADER_REWRITES = [
              "                                             std::forward<Args>(args)...);\n",
              speed=VALUE_POOL, group="value_pool"),
         # an insert hashed the key twice (has_key, then operator[]); one try_emplace for a plain
-        # object (no subclass that could override has_key), the same checks and order of entries
+        # object (no subclass that could override has_key), the same checks and order of entries.
+        # (llamaprompt_insert_plain: also the insert of runtime.h's scope objects, see scope_chain)
+        Edit("""    virtual void insert(const value & key, const value & val) override {
+        bool replaced = false;
+""", """    // llamaprompt (an engine rewrite, see its adapt_tree.py): insert's effect on an object whose
+    // type overrides none of its functions: the key hashed once
+#define LLAMAPROMPT_INSERT_PLAIN 1
+    void llamaprompt_insert_plain(const value & key, const value & val) {
+        if (!key->is_immutable() || !key->is_hashable()) {  // has_key's check
+            throw std::runtime_error("Object key of unhashable type: " + key->type());
+        }
+        auto added = unordered.try_emplace(key, val);
+        if (added.second) {
+            val_obj.push_back({key, val});
+            return;
+        }
+        added.first->second = val;
+        for (auto & pair : val_obj) {
+            if (*(pair.first) == *key) {
+                pair.second = val;
+                return;
+            }
+        }
+        val_obj.push_back({key, val});
+    }
+    virtual void insert(const value & key, const value & val) override {
+        bool replaced = false;
+""", speed=OBJECT_INSERT, group="object_insert"),
         Edit("""        bool replaced = false;
         if (is_immutable()) {
             throw std::runtime_error("Attempting to modify immutable type");
@@ -900,25 +987,10 @@ HEADER_REWRITES = [
             throw std::runtime_error("Attempting to modify immutable type");
         }
         if (typeid(*this) == typeid(value_object_t)) {
-            if (!key->is_immutable() || !key->is_hashable()) {  // has_key's check
-                throw std::runtime_error("Object key of unhashable type: " + key->type());
-            }
-            auto added = unordered.try_emplace(key, val);
-            if (added.second) {
-                val_obj.push_back({key, val});
-                return;
-            }
-            added.first->second = val;
-            for (auto & pair : val_obj) {
-                if (*(pair.first) == *key) {
-                    pair.second = val;
-                    return;
-                }
-            }
-            val_obj.push_back({key, val});
+            llamaprompt_insert_plain(key, val);
             return;
         }
-        if (has_key(key)) {""", speed="object insert: the key hashed once, not twice"),
+        if (has_key(key)) {""", speed=OBJECT_INSERT, group="object_insert"),
         # string equality (every object-key lookup, ==, `in`) built both strings' full text; two
         # single-part strings (the common case: keys, literals, input fields) are compared as they are
         Edit("""    virtual bool equivalent(const value_t & other) const override {
@@ -965,35 +1037,133 @@ HEADER_REWRITES = [
         is_get_stats = parent.is_get_stats;
         src = parent.src;
     }
-""", """    context(const context & parent)
-        : src(parent.src), current_time(parent.current_time), is_get_stats(parent.is_get_stats),
-          env(mk_val<value_object>(*parent.env)) {
-        // inherit variables (for example, when entering a new scope): the parent's, in its order
-        // (which begins with the constants every scope defines), copied without re-inserting each
-        env->stats = value_t::stats_t();
-    }
-""", speed="new scope (each for-loop iteration, macro call): the parent's variables copied, not re-inserted "
-           "one by one after six constants"),
+""", CONTEXT_COPY,
+             speed="new scope (each for-loop iteration, macro call): the parent's variables copied, not re-inserted "
+                   "one by one after six constants"),
         # a variable lookup built an `undefined` default value (a string copy and a value
         # object), found or not, and looked the key up twice
         Edit("""    value get_val(const std::string & name) {
         value default_val = mk_val<value_undefined>(name);
         return env->at(name, default_val);
     }
-""", """    value get_val(const std::string & name) {
-        // the variable, or `undefined` (built only for a missing name): env is a plain object.
-        // The key is the one-part string value that mk_val<value_string>(name) builds, kept per
-        // thread and given the name's text (the lookup only hashes and compares it)
+""", CONTEXT_GET_VAL,
+             speed="variable lookup: no `undefined` value built for a found name, one hash lookup instead of two, "
+                   "no key value built"),
+        # printing a list (each `for`'s output, the program's) copied its items into a new vector
+        # -- a reference count up and down and an allocation per list -- to read them in order;
+        # nothing the loop calls changes a list (it appends to the string being built)
+        Edit("""        auto items = cast_val<value_array>(val)->as_array();
+        for (const auto & item : items) {
+            gather_string_parts_recursive(item, parts);
+""", """        const auto & items = cast_val<value_array>(val)->as_array();
+        for (const auto & item : items) {
+            gather_string_parts_recursive(item, parts);
+""", speed="printing a list (each for loop's output): its items read in place, not copied"),
+        # scope_chain: a new scope (each `for`, macro call, call block) copied all its parent's
+        # variables -- the hash table rebuilt, every key hashed again -- and freed them when it
+        # ended. Now it keeps a reference to its parent's variables and holds only what it sets
+        # itself; a lookup reads its own, then its parent's, and so on up. Each scope still sees
+        # its variables as they were when it was made: a scope that changes its own while a scope
+        # made from it holds them changes a copy (set_val), and the loop object's refill
+        # (runtime.cpp) is skipped while they are held. Listed (print_vars), they are the
+        # parent's in their order with the scope's own set over them: the copy's order
+        Edit("struct context {\n", SCOPE_OBJECT + "struct context {\n", speed=SCOPE_CHAIN, group="scope_chain"),
+        Edit(CONTEXT_COPY, """    context(const context & parent)
+        : src(parent.src), current_time(parent.current_time), is_get_stats(parent.is_get_stats) {
+        // inherit variables (for example, when entering a new scope): the parent's, read through
+        // it, not copied; an empty scope's own parent instead (it has the same variables)
+        const auto * from = llamaprompt_scope_object::of(*parent.env);
+        auto scope = std::make_shared<llamaprompt_scope_object>();
+        scope->has_builtins = false;
+        scope->parent = from && from->unordered.empty() && from->parent ? from->parent : parent.env;
+        env = std::move(scope);
+    }
+""", speed=SCOPE_CHAIN, group="scope_chain"),
+        Edit(CONTEXT_GET_VAL, """    value get_val(const std::string & name) {
+        // the variable, or `undefined` (built only for a missing name): this scope's own, else
+        // the nearest parent's (each looked up in its own table). The key is the one-part string value
+        // that mk_val<value_string>(name) builds, kept per thread and given the name's text (the
+        // lookup only hashes and compares it)
         static thread_local const value key = mk_val<value_string>(std::string());
         auto & parts = static_cast<value_string_t &>(*key).val_str.parts;
         parts.resize(1);
         parts[0].is_input = false;
         parts[0].val.assign(name);
-        auto it = env->unordered.find(key);
-        return it != env->unordered.end() ? it->second : mk_val<value_undefined>(name);
+        for (const value_object_t * vars = env.get(); vars != nullptr;) {
+            auto it = vars->unordered.find(key);
+            if (it != vars->unordered.end()) {
+                return it->second;
+            }
+            const auto * scope = llamaprompt_scope_object::of(*vars);
+            vars = scope ? scope->parent.get() : nullptr;
+        }
+        return mk_val<value_undefined>(name);
     }
-""", speed="variable lookup: no `undefined` value built for a found name, one hash lookup instead of two, "
-           "no key value built"),
+""", speed=SCOPE_CHAIN, group="scope_chain"),
+        Edit("""    void set_val(const std::string & name, const value & val) {
+        env->insert(name, val);
+    }
+""", """    void set_val(const std::string & name, const value & val) {
+        llamaprompt_own_vars();
+        env->insert(name, val);
+    }
+""", speed=SCOPE_CHAIN, group="scope_chain"),
+        Edit("""    void set_val(const value & name, const value & val) {
+        env->insert(name, val);
+    }
+""", """    void set_val(const value & name, const value & val) {
+        llamaprompt_own_vars();
+        env->insert(name, val);
+    }
+""", speed=SCOPE_CHAIN, group="scope_chain"),
+        Edit("""    void print_vars() const {
+        printf("Context Variables:\\n%s\\n", value_to_json(env, 2).c_str());
+    }
+""", """    void print_vars() const {
+        printf("Context Variables:\\n%s\\n", value_to_json(llamaprompt_all_vars(), 2).c_str());
+    }
+
+    // llamaprompt (the scope_chain engine rewrite, see its adapt_tree.py)
+    // (an assignment would share one scope's own variables between two contexts, as upstream's
+    // did, where each now copies them before it changes them: none is compiled)
+    context & operator=(const context &) = delete;
+
+    // whether a scope made from this one holds this scope's own variables
+    bool llamaprompt_vars_shared() const { return env.use_count() > 1; }
+
+    // all the variables as one object: the parents' in their order, each scope's own set over
+    // them (the object the copy of every parent's variables was)
+    value_object llamaprompt_all_vars() const {
+        std::vector<const value_object_t *> scopes;
+        for (const value_object_t * vars = env.get(); vars != nullptr;) {
+            scopes.push_back(vars);
+            const auto * scope = llamaprompt_scope_object::of(*vars);
+            vars = scope ? scope->parent.get() : nullptr;
+        }
+        value_object all = mk_val<value_object>();
+        all->has_builtins = false;
+        for (auto it = scopes.rbegin(); it != scopes.rend(); ++it) {
+            for (const auto & pair : (*it)->as_ordered_object()) {
+                all->insert(pair.first, pair.second);
+            }
+        }
+        return all;
+    }
+
+private:
+    // before this scope changes its own variables: a copy of them, if a scope made from this
+    // one holds them (it keeps them as they were)
+    void llamaprompt_own_vars() {
+        if (env.use_count() > 1) {
+            const auto * scope = llamaprompt_scope_object::of(*env);
+            value_object vars = scope ? std::make_shared<llamaprompt_scope_object>(*scope) : mk_val<value_object>(*env);
+            vars->stats = value_t::stats_t();
+            env = std::move(vars);
+        }
+    }
+
+public:
+""", speed=SCOPE_CHAIN, group="scope_chain"),
     ]),
     Rewrite("vendor/nlohmann/json.hpp", "", [
         Edit(ORDERED_MAP_DECL, GROW_BY_MOVING + ORDERED_MAP_DECL, speed=ORDERED_MAP, group="ordered_map"),
@@ -2316,6 +2486,25 @@ def handler_choice_problems(tree: Tree) -> list[str]:
         i += end + 1
 
 
+def _incomplete_groups(text: str, edits: list[Edit], engine_rewrites: bool) -> set[str]:
+    """The groups of ``edits`` that cannot all apply to ``text``. Edits apply in order, each to
+    the text the ones before it left (an edit may rewrite another's result), so this applies
+    them as apply_rewrites will, leaving out each group found incomplete, until none is."""
+    incomplete: set[str] = set()
+    while True:
+        current, found = text, set()
+        for e in edits:
+            if e.group in incomplete or (e.speed and not engine_rewrites):
+                continue
+            if current.count(e.old) == e.count:
+                current = current.replace(e.old, e.new)
+            elif e.group:
+                found.add(e.group)
+        if not found:
+            return incomplete
+        incomplete |= found
+
+
 def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites: bool = True,
                    handlers: list[Rewrite] | None = None,
                    probed_edits: dict[str, list[Edit]] | None = None) -> list[dict]:
@@ -2332,7 +2521,7 @@ def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites:
                          "skipped": "the file is not in this tree"} for e in rw.edits]
             continue
         text = tree.read(rw.rel)
-        incomplete = {e.group for e in rw.edits if e.group and text.count(e.old) != e.count}
+        incomplete = _incomplete_groups(text, rw.edits, engine_rewrites)
         for e in rw.edits:
             n = text.count(e.old) if e.group not in incomplete else -1
             record = {"file": rw.rel, "pattern": e.old, "applied": False}
