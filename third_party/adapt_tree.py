@@ -218,6 +218,11 @@ SCOPE_OBJECT = """// llamaprompt (the scope_chain engine rewrite, see its adapt_
 #define LLAMAPROMPT_SCOPE_CHAIN 1
 struct llamaprompt_scope_object final : value_object_t {
     value_object parent;  // the variables of the scope this one was made from; null: none
+    std::size_t depth = 0;  // how many scopes the chain from this one has (up to a plain object)
+    // a longer chain would make each lookup of an outer variable walk it (deep recursion, call
+    // blocks that call callers kept from earlier ones): a scope made there copies its parent's
+    // variables instead, as upstream's every scope did, and starts a new chain
+    static constexpr std::size_t max_depth = 8;
     // the scope object that `vars` is; null for a plain object (a first scope, or a context made
     // by code compiled without this rewrite): it has no parent
     static const llamaprompt_scope_object * of(const value_object_t & vars) {
@@ -1075,7 +1080,18 @@ HEADER_REWRITES = [
         const auto * from = llamaprompt_scope_object::of(*parent.env);
         auto scope = std::make_shared<llamaprompt_scope_object>();
         scope->has_builtins = false;
-        scope->parent = from && from->unordered.empty() && from->parent ? from->parent : parent.env;
+        if (from && from->unordered.empty() && from->parent) {
+            scope->parent = from->parent;
+            scope->depth = from->depth;
+        } else {
+            scope->parent = parent.env;
+            scope->depth = (from ? from->depth : 0) + 1;
+        }
+        if (scope->depth > llamaprompt_scope_object::max_depth) {
+            llamaprompt_all_vars_into(parent.env, *scope);
+            scope->parent = nullptr;
+            scope->depth = 0;
+        }
         env = std::move(scope);
     }
 """, speed=SCOPE_CHAIN, group="scope_chain"),
@@ -1134,20 +1150,24 @@ HEADER_REWRITES = [
     // all the variables as one object: the parents' in their order, each scope's own set over
     // them (the object the copy of every parent's variables was)
     value_object llamaprompt_all_vars() const {
-        std::vector<const value_object_t *> scopes;
-        for (const value_object_t * vars = env.get(); vars != nullptr;) {
-            scopes.push_back(vars);
-            const auto * scope = llamaprompt_scope_object::of(*vars);
-            vars = scope ? scope->parent.get() : nullptr;
-        }
         value_object all = mk_val<value_object>();
         all->has_builtins = false;
+        llamaprompt_all_vars_into(env, *all);
+        return all;
+    }
+
+    static void llamaprompt_all_vars_into(const value_object & vars, value_object_t & into) {
+        std::vector<const value_object_t *> scopes;
+        for (const value_object_t * level = vars.get(); level != nullptr;) {
+            scopes.push_back(level);
+            const auto * scope = llamaprompt_scope_object::of(*level);
+            level = scope ? scope->parent.get() : nullptr;
+        }
         for (auto it = scopes.rbegin(); it != scopes.rend(); ++it) {
             for (const auto & pair : (*it)->as_ordered_object()) {
-                all->insert(pair.first, pair.second);
+                into.insert(pair.first, pair.second);
             }
         }
-        return all;
     }
 
 private:
