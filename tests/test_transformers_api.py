@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import types
 
 import numpy as np
@@ -258,8 +259,9 @@ def test_tools_a_template_ignores_are_warned_once(caplog):
 
 
 def test_request_text_is_decoded_only_for_pending_warnings(monkeypatch):
-    # the notices decode request text (bytes / str) only when it names a key a warning is still
-    # pending for: Qwen3 renders tools, so a body with tools is not decoded for them
+    # the Python check (apply(), hooks, a core in a worker) decodes request text (bytes / str)
+    # only when it names a key a warning is still pending for: Qwen3 renders tools, so a body
+    # with tools is not decoded for them
     from llamaprompt import notices
 
     decoded = []
@@ -269,17 +271,85 @@ def test_request_text_is_decoded_only_for_pending_warnings(monkeypatch):
     body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]})
     qwen = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
     gemma = llamaprompt.ChatTemplate.from_file(template_path("google-gemma-2-2b-it.jinja"))
-    qwen.apply_template(body)
+    qwen.apply(body)
     assert decoded == []
-    gemma.apply_template(body)  # gemma 2 renders no tools: the warning is pending, the text decoded
-    gemma.apply_template(body)  # warned once: nothing pending for "tools" any more
+    gemma.apply(body)  # gemma 2 renders no tools: the warning is pending, the text decoded
+    gemma.apply(body)  # warned once: nothing pending for "tools" any more
     assert decoded == [body.encode()]
     # a misplaced template variable: decoded and warned the first time, no longer searched for after
     kwargs = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "enable_thinking": False})
     decoded.clear()
-    qwen.apply_template(kwargs)
-    qwen.apply_template(kwargs)
+    qwen.apply(kwargs)
+    qwen.apply(kwargs)
     assert decoded == [kwargs.encode()]
+
+
+@pytest.mark.parametrize("form", ["bytes", "str", "dict", "many"])
+def test_apply_template_warns_from_the_body_the_core_parses(form, monkeypatch, caplog):
+    # apply_template(_many) with an in-process core: llama.cpp's own parse of the body shows the
+    # top-level keys (Python decodes nothing), also when the render then fails
+    from llamaprompt import notices
+
+    monkeypatch.setattr(notices, "json", None)  # any decoding in Python would raise
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    hi = [{"role": "user", "content": "Hi"}]
+    requests = [
+        {"messages": hi, "tools": []},  # an empty list: no tools to leave out
+        {"messages": hi, "chat_template_kwargs": {"enable_thinking": False}},  # where it belongs
+        {"messages": [{"role": "user", "content": "Hi", "documents": [], "tools": [tool]}]},  # not top level
+        {"messages": hi, "tools": [tool], "documents": []},
+        {"messages": hi, "documents": [], "model_identity": "x"},
+    ]
+    raising = llamaprompt.ChatTemplate("{% if messages[0].content == 'Hi' %}{{ raise_exception('no') }}{% endif %}x")
+    gemma = llamaprompt.ChatTemplate.from_file(template_path("google-gemma-2-2b-it.jinja"))
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        for t in (gemma, raising):
+            assert t._notices.watching
+            name = t._notices.name
+            encoded = [r if form == "dict" else json.dumps(r) for r in requests]
+            encoded = [e.encode() if form == "bytes" else e for e in encoded]
+            if form == "many":
+                t.apply_template_many(encoded, threads=2, return_exceptions=True)
+                continue
+            for i, request in enumerate(encoded):
+                try:
+                    t.apply_template(request)
+                except llamaprompt.Error as e:  # (the autoparser path answers 400 for a raise)
+                    assert t is raising and "Jinja Exception: no" in str(e)
+                if i < 3:
+                    assert not [w for w in _records(caplog) if w.startswith(name)], i
+    warned = _records(caplog)
+    for t in (gemma, raising):
+        mine = [w for w in warned if w.startswith(t._notices.name)]
+        ignores_tools = not t.caps["supports_tools"] and not t.caps["supports_tool_calls"]
+        assert ignores_tools  # neither renders tools
+        assert sorted(("tools" if "has tools" in w else w.split("'")[1]) for w in mine) == [
+            "documents",
+            "model_identity",
+            "tools",
+        ], mine
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_failing_notice_callback_changes_no_result(monkeypatch):
+    # the core's call back into Python (watch_notices) reports its own error as unraisable: the
+    # call's prompt, or its own error, is what the caller gets
+    t = llamaprompt.ChatTemplate("{% if messages[0].content == 'boom' %}{{ raise_exception('no') }}{% endif %}x")
+    seen, unraisable = [], []
+
+    def failing(bits):
+        seen.append(bits)
+        raise RuntimeError("a handler failed")
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))
+    t._core.watch_notices(["documents", "tools"], 0b10, 0b11, failing)
+    assert t.apply_template({"messages": [{"role": "user", "content": "hi"}], "documents": []}) == "x"
+    with pytest.raises(llamaprompt.Error, match="Jinja Exception: no"):
+        t.apply_template({"messages": [{"role": "user", "content": "boom"}], "tools": [_TOOL]})
+    assert t.apply_template_many([{"messages": [{"role": "user", "content": "hi"}], "documents": 1}]) == ["x"]
+    assert seen == [0b01, 0b10, 0b01] and [str(e) for e in unraisable] == ["a handler failed"] * 3
 
 
 def test_chatml_fallback_is_warned(caplog):

@@ -221,16 +221,26 @@ static std::string caps_text(const jinja::caps & caps) {
 std::shared_ptr<analysis_cache> make_analysis_cache() { return std::make_shared<analysis_cache>(); }
 
 static std::string analysis_key(const common_chat_template & tmpl) {
-    char day[32];
+    // the local date, formatted at most once a second per thread (every request asks)
+    struct day_text {  // trivial: a thread-local without a guard
+        std::time_t second;
+        bool known;
+        char text[32];
+    };
+    thread_local day_text day;
     const std::time_t now = std::time(nullptr);
-    std::tm tm_now{};
+    if (!day.known || day.second != now) {
+        std::tm tm_now{};
 #if defined(_WIN32)
-    localtime_s(&tm_now, &now);
+        localtime_s(&tm_now, &now);
 #else
-    localtime_r(&now, &tm_now);
+        localtime_r(&now, &tm_now);
 #endif
-    std::strftime(day, sizeof(day), "%Y-%m-%d", &tm_now);
-    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + caps_text(tmpl.original_caps()) + "|" + day;
+        std::strftime(day.text, sizeof(day.text), "%Y-%m-%d", &tm_now);
+        day.second = now;
+        day.known = true;
+    }
+    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + caps_text(tmpl.original_caps()) + "|" + day.text;
 }
 
 }  // namespace llamaprompt

@@ -216,6 +216,21 @@ class core_template {
         opt_.allow_video = video;
     }
     bool use_jinja() const { return use_jinja_; }
+
+    // The top-level request keys ChatTemplate's notices wait for (llamaprompt/notices.py): bit i
+    // stands for keys[i], and a bit of `nonempty` counts only a non-empty array there. apply_template
+    // (and _many) look for the pending ones in the body they parse anyway, and call
+    // on_seen(bits seen) -> the bits still pending, with the GIL, after the render (also when it
+    // failed). Called once by ChatTemplate right after construction, before the object is shared.
+    void watch_notices(std::vector<std::string> keys, uint32_t nonempty, uint32_t pending, py::function on_seen) {
+        if (keys.size() > 32) {
+            throw std::invalid_argument("watch_notices: at most 32 keys");
+        }
+        notice_keys_ = std::move(keys);
+        notice_nonempty_ = nonempty;
+        notice_pending_->store(pending, std::memory_order_relaxed);
+        notice_seen_ = std::move(on_seen);
+    }
     // how many apply_template calls took the prompt-only path (tests, benchmarks)
     uint64_t prompt_only_renders() const { return prompt_only_renders_->load(); }
     const std::map<std::string, bool> & detected_caps() const { return detected_caps_; }
@@ -243,8 +258,18 @@ class core_template {
 
     // POST /apply-template: the prompt
     py::object apply_template(const std::string & body_text, double timeout) const {
-        return with_log_capture(
-            [&]() { return text_to_py(call_upstream([&]() { return prompt_for(body_text, timeout); })); });
+        std::atomic<uint32_t> seen{0};
+        return with_log_capture([&]() {
+            std::string prompt;
+            try {
+                prompt = call_upstream([&]() { return prompt_for(body_text, timeout, &seen); });
+            } catch (const error &) {
+                notify_seen(seen.load());  // (no Python object of ours is alive: see with_log_capture)
+                throw;
+            }
+            notify_seen(seen.load());
+            return text_to_py(prompt);
+        });
     }
 
     // apply_template for each body, on `threads` threads (the GIL released throughout);
@@ -256,6 +281,7 @@ class core_template {
             std::vector<log_record> logs;  // llama.cpp's log lines of this render (emitted in order)
         };
         std::vector<outcome> out(bodies.size());
+        std::atomic<uint32_t> seen{0};
         without_gil([&]() {
             std::atomic<size_t> next{0};
             auto work = [&]() {
@@ -264,7 +290,7 @@ class core_template {
                     log_capture logs;  // as apply_template's, per render
                     // the same classification as call_upstream (llama-server's ex_wrapper)
                     try {
-                        out[i].text = prompt_for(bodies[i], timeout);
+                        out[i].text = prompt_for(bodies[i], timeout, &seen);
                     } catch (const error & e) {
                         out[i] = {e.what(), e.status ? e.status : 500};
                     } catch (const std::invalid_argument & e) {
@@ -280,8 +306,9 @@ class core_template {
             // the calling thread and threads kept between calls (worker_pool.h)
             run_on_threads(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
         }, gil_released::per_render);
-        // the log first, in order, then the results: no Python object of ours is alive while the
-        // handlers run (with_log_capture says why)
+        // the notices first (as apply_template's), then the log, in order, then the results: no
+        // Python object of ours is alive while the handlers run (with_log_capture says why)
+        notify_seen(seen.load());
         for (const auto & o : out) {
             emit_records(o.logs);
         }
@@ -453,9 +480,12 @@ class core_template {
 #endif
     }
 
-    std::string prompt_for(const std::string & body_text, double timeout) const {
+    std::string prompt_for(const std::string & body_text, double timeout, std::atomic<uint32_t> * seen) const {
         auto serial = serialize();
         json body = parse_body(body_text, max_tools_);
+        if (const uint32_t bits = notices_in(body)) {
+            seen->fetch_or(bits, std::memory_order_relaxed);
+        }
         handler_state st = handler_;
         st.prompt_only = true;
         scoped_handler in_force(st);
@@ -464,6 +494,39 @@ class core_template {
             prompt_only_renders_->fetch_add(1, std::memory_order_relaxed);
         }
         return res.llama_params.at("prompt").get<std::string>();
+    }
+
+    // which of the pending watch_notices keys the body has at its top level
+    uint32_t notices_in(const json & body) const {
+        const uint32_t pending = notice_pending_->load(std::memory_order_relaxed);
+        if (pending == 0 || !body.is_object()) {
+            return 0;
+        }
+        uint32_t bits = 0;
+        for (const auto & [key, value] : body.items()) {
+            for (size_t i = 0; i < notice_keys_.size(); ++i) {
+                const uint32_t bit = uint32_t(1) << i;
+                if ((pending & bit) && key == notice_keys_[i] &&
+                    (!(notice_nonempty_ & bit) || (value.is_array() && !value.empty()))) {
+                    bits |= bit;
+                }
+            }
+        }
+        return bits;
+    }
+
+    // on_seen(bits) with the GIL; what it returns is pending from then on. Its own errors are
+    // reported as unraisable (they must not replace the call's result or error).
+    void notify_seen(uint32_t bits) const {
+        if (bits == 0 || !notice_seen_) {
+            return;
+        }
+        try {
+            notice_pending_->store(notice_seen_(bits).cast<uint32_t>(), std::memory_order_relaxed);
+        } catch (py::error_already_set & e) {
+            e.discard_as_unraisable("llamaprompt notices");
+        } catch (const py::cast_error &) {
+        }
     }
 
     // the template's limits, with the time budget replaced when timeout >= 0 (0: none)
@@ -567,6 +630,10 @@ class core_template {
     size_t max_tools_ = 0;
     std::shared_ptr<std::mutex> render_mutex_ = std::make_shared<std::mutex>();
     std::shared_ptr<std::atomic<uint64_t>> prompt_only_renders_ = std::make_shared<std::atomic<uint64_t>>(0);
+    std::vector<std::string> notice_keys_;  // watch_notices
+    uint32_t notice_nonempty_ = 0;
+    std::shared_ptr<std::atomic<uint32_t>> notice_pending_ = std::make_shared<std::atomic<uint32_t>>(0);
+    py::function notice_seen_;
     std::map<std::string, bool> caps_override_;
     std::map<std::string, bool> detected_caps_;
     std::string bos_token_;
@@ -596,6 +663,8 @@ void register_template(py::module_ & m) {
              py::arg("variant"))
         .def("enable_thinking", &core_template::enable_thinking)
         .def("set_media", &core_template::set_media, py::arg("image"), py::arg("audio"), py::arg("video"))
+        .def("watch_notices", &core_template::watch_notices, py::arg("keys"), py::arg("nonempty"),
+             py::arg("pending"), py::arg("on_seen"))
         .def("props", &core_template::props)
         .def("apply_template", &core_template::apply_template, py::arg("body"), py::arg("timeout") = -1.0)
         .def("apply_template_many", &core_template::apply_template_many, py::arg("bodies"), py::arg("threads"),

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import _core
 
-__all__ = ["MISPLACED_KWARGS", "Notices", "logger"]
+__all__ = ["MISPLACED_KWARGS", "WATCHED", "Notices", "logger"]
 
 logger = logging.getLogger("llamaprompt")
 
@@ -59,17 +59,50 @@ def _keys_text(keys: frozenset[str]) -> re.Pattern[bytes] | None:
     return re.compile(rb'"(' + b"|".join(re.escape(k.encode()) for k in sorted(keys)) + rb')"\s*:')
 
 
-class Notices:
-    """The warnings one template still owes (each is logged at most once)."""
+#: The top-level request keys a :class:`Notices` waits for, in the order of the bits of
+#: ``_core.Template.watch_notices`` (``tools`` counts only as a non-empty array).
+WATCHED = (*MISPLACED_KWARGS, "tools")
+_TOOLS_BIT = 1 << WATCHED.index("tools")
 
-    __slots__ = ("_misplaced", "_pending_text", "_tools", "name")
+
+class Notices:
+    """The warnings one template still owes (each is logged at most once).
+
+    After :meth:`watch` (an in-process core), the core's apply_template looks for the pending
+    keys in the body it parses anyway and reports them back; :meth:`check` looks at a request
+    in Python (the other calls, hooks, a core in a worker process)."""
+
+    __slots__ = ("_misplaced", "_pending_text", "_tools", "name", "watching")
 
     def __init__(self, name: str, caps: Mapping[str, bool]) -> None:
         self.name = name
         self._misplaced = set(MISPLACED_KWARGS)
         # llama.cpp's own caps: a template that renders neither tools nor tool calls ignores them
         self._tools = not caps.get("supports_tools", True) and not caps.get("supports_tool_calls", True)
+        self.watching = False
         self._pending_changed()
+
+    def watch(self, core: Any) -> None:
+        """Let ``core`` (an in-process ``_core.Template``) find the pending keys in the bodies its
+        apply_template and apply_template_many parse. The core holds :meth:`_seen`; this object
+        holds nothing of the core's (no reference cycle)."""
+        core.watch_notices(list(WATCHED), _TOOLS_BIT, self._pending_bits(), self._seen)
+        self.watching = True
+
+    def _pending_bits(self) -> int:
+        bits = _TOOLS_BIT if self._tools else 0
+        for i, key in enumerate(MISPLACED_KWARGS):
+            if key in self._misplaced:
+                bits |= 1 << i
+        return bits
+
+    def _seen(self, bits: int) -> int:
+        """The core saw the keys of ``bits`` at the top level of a request body: warn (once each)
+        and return the bits still pending."""
+        self._warn_misplaced([key for i, key in enumerate(MISPLACED_KWARGS) if bits >> i & 1])
+        if bits & _TOOLS_BIT:
+            self._warn_tools()
+        return self._pending_bits()
 
     def _pending_changed(self) -> None:
         # request text is decoded only when it names a key a warning is still pending for: a
@@ -96,26 +129,36 @@ class Notices:
         if not isinstance(request, Mapping):
             return
         if self._misplaced:
-            for key in self._misplaced.intersection(request.keys()):
-                self._misplaced.discard(key)
-                self._pending_changed()
-                logger.warning(
-                    "%s: request key %r is not read by llama-server at the top level of a request, so it has no "
-                    'effect; template variables go in "chat_template_kwargs" (e.g. {"chat_template_kwargs": '
-                    '{"%s": ...}}). This warning is logged once per template.',
-                    self.name,
-                    key,
-                    key,
-                )
+            self._warn_misplaced(list(self._misplaced.intersection(request.keys())))
         if self._tools:
             tools = request.get("tools")
             if isinstance(tools, list) and tools:
-                self._tools = False
-                self._pending_changed()
-                logger.warning(
-                    "%s: the request has tools, but the template renders neither tools nor tool calls "
-                    "(chat_template_caps supports_tools and supports_tool_calls are false): llama.cpp passes "
-                    "them to the template, which leaves them out of the prompt. This warning is logged once "
-                    "per template.",
-                    self.name,
-                )
+                self._warn_tools()
+
+    def _warn_misplaced(self, keys: list[str]) -> None:
+        for key in keys:
+            if key not in self._misplaced:
+                continue
+            self._misplaced.discard(key)
+            self._pending_changed()
+            logger.warning(
+                "%s: request key %r is not read by llama-server at the top level of a request, so it has no "
+                'effect; template variables go in "chat_template_kwargs" (e.g. {"chat_template_kwargs": '
+                '{"%s": ...}}). This warning is logged once per template.',
+                self.name,
+                key,
+                key,
+            )
+
+    def _warn_tools(self) -> None:
+        if not self._tools:
+            return
+        self._tools = False
+        self._pending_changed()
+        logger.warning(
+            "%s: the request has tools, but the template renders neither tools nor tool calls "
+            "(chat_template_caps supports_tools and supports_tool_calls are false): llama.cpp passes "
+            "them to the template, which leaves them out of the prompt. This warning is logged once "
+            "per template.",
+            self.name,
+        )

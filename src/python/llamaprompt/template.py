@@ -6,6 +6,7 @@ import copy
 import json
 import operator
 import os
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 
@@ -294,6 +295,10 @@ class ChatTemplate:
         kinds = opts.media
         self._core.set_media("image" in kinds, "audio" in kinds, "video" in kinds)
         self._notices = Notices(gguf_path or "template " + template_sha256(self.source)[:12], self._core.caps())
+        # in process (a worker's core cannot call back), and a core that can (benchmarks time
+        # another build's module with this package)
+        if isinstance(lib, types.ModuleType) and hasattr(self._core, "watch_notices"):
+            self._notices.watch(self._core)
 
     @classmethod
     def from_gguf(
@@ -627,8 +632,9 @@ class ChatTemplate:
         """
         if tokens:
             self._vocab()  # before rendering: the TypeError, not a wasted render
-        self._notices.check(request)
         hooks = hooks_for(self, self._opts.hooks)
+        if hooks or not self._notices.watching:  # (else the core looks at the body it parses)
+            self._notices.check(request)
         seconds = call_timeout(timeout)
         if not hooks:
             prompt = self._core.apply_template(request_body(request), seconds)
@@ -689,8 +695,9 @@ class ChatTemplate:
         if isinstance(requests, (Mapping, str, bytes)):
             raise TypeError("requests must be an iterable of requests (e.g. a list of dicts), not one request")
         items = list(requests)
-        for request in items:
-            self._notices.check(request)
+        if not self._notices.watching:  # (else the core looks at the bodies it parses)
+            for request in items:
+                self._notices.check(request)
         if hooks_for(self, self._opts.hooks):
             from concurrent.futures import ThreadPoolExecutor
 
