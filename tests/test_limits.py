@@ -370,6 +370,28 @@ def test_max_tools():
         llamaprompt.ChatTemplate.from_file(src, max_tools=0)
 
 
+def test_an_object_with_very_many_members_is_refused_before_parsing():
+    # an object's parse grows with the square of its members (ordered_json looks each key up
+    # among the ones before it: 100,000 keys took 30 s, beyond any budget); refused above 10,000
+    t = llamaprompt.ChatTemplate("{{ messages[0].content }}|{{ kw | length }}")
+    hi = [{"role": "user", "content": "a, b, c"}]
+
+    def body(n: int, at: str) -> dict:
+        keys = {f"k{i}": i for i in range(n)}
+        if at == "top":
+            return {"messages": hi, **keys}
+        return {"messages": hi, "chat_template_kwargs": {"kw": keys}}
+
+    for at in ("top", "nested"):
+        with pytest.raises(llamaprompt.RequestError, match="more than 10000 members") as e:
+            t.apply_template(body(10001, at))
+        assert e.value.status == 400
+    assert t.apply_template(body(10000, "nested")) == "a, b, c|10000"
+    assert t.apply_template({**body(9998, "top"), "k": "x," * 20000}).startswith("a, b, c|")  # commas in a string
+    big_list = {"messages": hi, "chat_template_kwargs": {"kw": list(range(50000))}}  # arrays are not searched
+    assert t.apply_template(big_list) == "a, b, c|50000"
+
+
 @pytest.mark.parametrize(
     "src",
     [

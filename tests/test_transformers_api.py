@@ -352,6 +352,34 @@ def test_a_failing_notice_callback_changes_no_result(monkeypatch):
     assert seen == [0b01, 0b10, 0b01] and [str(e) for e in unraisable] == ["a handler failed"] * 3
 
 
+def test_a_keyboard_interrupt_in_a_notice_reaches_the_caller():
+    t = llamaprompt.ChatTemplate("x")
+
+    def interrupted(bits):
+        raise KeyboardInterrupt
+
+    t._core.watch_notices(["documents"], 0, 1, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        t.apply_template({"messages": [{"role": "user", "content": "hi"}], "documents": []})
+    assert t.apply_template({"messages": [{"role": "user", "content": "hi"}]}) == "x"
+
+
+def test_hooks_get_the_notices_of_the_callers_request(caplog):
+    # a hook's additions are not the caller's keys: apply_template, _many and apply() warn alike
+    class Adds:
+        def before_request(self, request):
+            return {**request, "documents": []}
+
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), hooks=[Adds()])
+    request = {"messages": [{"role": "user", "content": "Hi"}], "model_identity": "x"}
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        t.apply_template(request)
+        t.apply_template_many([request, json.dumps(request)], threads=2)
+        t.apply(request)
+    warned = _records(caplog)
+    assert len(warned) == 1 and "'model_identity'" in warned[0], warned
+
+
 def test_chatml_fallback_is_warned(caplog):
     with caplog.at_level(logging.WARNING, logger="llamaprompt"):
         t = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-llama-spm.gguf"))

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,8 +35,14 @@ json parse_body(const std::string & text, size_t max_tools) {
     // overflow the C++ stack (~150k levels in nlohmann's recursive copy), so it is refused
     // first; llama-server has no such limit (it would crash)
     constexpr int max_depth = 1000;
+    // an object's parse looks each new key up among the ones before it (ordered_json: a
+    // linear search), so its time grows with the square of its members: 30,000 keys ~2 s,
+    // 100,000 ~30 s, before any budget applies. Refused first, above this many commas at
+    // one object's level (llama-server has no such limit: it parses them)
+    constexpr size_t max_object_commas = 10000 - 1;
     int depth = 0;
     bool in_string = false;
+    std::vector<size_t> commas;  // per open object (arrays hold SIZE_MAX: not counted)
     for (size_t i = 0; i < text.size(); ++i) {
         const char c = text[i];
         if (in_string) {
@@ -50,8 +57,16 @@ json parse_body(const std::string & text, size_t max_tools) {
             if (++depth > max_depth) {
                 throw error(error_kind::request, 400, "request is nested too deeply");
             }
+            commas.push_back(c == '{' ? 0 : SIZE_MAX);
         } else if (c == ']' || c == '}') {
             --depth;
+            if (!commas.empty()) {
+                commas.pop_back();
+            }
+        } else if (c == ',' && !commas.empty() && commas.back() != SIZE_MAX && ++commas.back() > max_object_commas) {
+            throw error(error_kind::request, 400,
+                        "a JSON object in the request has more than " + std::to_string(max_object_commas + 1) +
+                            " members (llamaprompt's limit)");
         }
     }
     json body = json::parse(text);
@@ -256,13 +271,14 @@ class core_template {
         return props;
     }
 
-    // POST /apply-template: the prompt
-    py::object apply_template(const std::string & body_text, double timeout) const {
+    // POST /apply-template: the prompt (`notices`: look for the watch_notices keys in the body;
+    // false for a body a hook made, whose keys the caller did not send)
+    py::object apply_template(const std::string & body_text, double timeout, bool notices) const {
         std::atomic<uint32_t> seen{0};
         return with_log_capture([&]() {
             std::string prompt;
             try {
-                prompt = call_upstream([&]() { return prompt_for(body_text, timeout, &seen); });
+                prompt = call_upstream([&]() { return prompt_for(body_text, timeout, notices ? &seen : nullptr); });
             } catch (const error &) {
                 notify_seen(seen.load());  // (no Python object of ours is alive: see with_log_capture)
                 throw;
@@ -480,10 +496,11 @@ class core_template {
 #endif
     }
 
+    // (`seen`: where the watch_notices keys the body has go; nullptr: not looked for)
     std::string prompt_for(const std::string & body_text, double timeout, std::atomic<uint32_t> * seen) const {
         auto serial = serialize();
         json body = parse_body(body_text, max_tools_);
-        if (const uint32_t bits = notices_in(body)) {
+        if (const uint32_t bits = seen ? notices_in(body) : 0) {
             seen->fetch_or(bits, std::memory_order_relaxed);
         }
         handler_state st = handler_;
@@ -516,7 +533,8 @@ class core_template {
     }
 
     // on_seen(bits) with the GIL; what it returns is pending from then on. Its own errors are
-    // reported as unraisable (they must not replace the call's result or error).
+    // reported as unraisable (they must not replace the call's result or error), as logging's
+    // handlers report theirs; a KeyboardInterrupt or SystemExit goes to the caller.
     void notify_seen(uint32_t bits) const {
         if (bits == 0 || !notice_seen_) {
             return;
@@ -524,6 +542,9 @@ class core_template {
         try {
             notice_pending_->store(notice_seen_(bits).cast<uint32_t>(), std::memory_order_relaxed);
         } catch (py::error_already_set & e) {
+            if (!e.matches(PyExc_Exception)) {
+                throw;  // KeyboardInterrupt, SystemExit: the caller's, not the handler's
+            }
             e.discard_as_unraisable("llamaprompt notices");
         } catch (const py::cast_error &) {
         }
@@ -666,7 +687,8 @@ void register_template(py::module_ & m) {
         .def("watch_notices", &core_template::watch_notices, py::arg("keys"), py::arg("nonempty"),
              py::arg("pending"), py::arg("on_seen"))
         .def("props", &core_template::props)
-        .def("apply_template", &core_template::apply_template, py::arg("body"), py::arg("timeout") = -1.0)
+        .def("apply_template", &core_template::apply_template, py::arg("body"), py::arg("timeout") = -1.0,
+             py::arg("notices") = true)
         .def("apply_template_many", &core_template::apply_template_many, py::arg("bodies"), py::arg("threads"),
              py::arg("timeout") = -1.0)
         .def("time_direct_apply", &core_template::time_direct_apply, py::arg("body"), py::arg("repeat"))

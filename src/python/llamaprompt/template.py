@@ -609,7 +609,8 @@ class ChatTemplate:
                 ``chat_template_kwargs``, ``reasoning_effort``, ``add_generation_prompt``,
                 ``continue_final_message``, ``response_format`` ...) as a mapping or JSON text.
                 Image, audio and video parts become the media marker. Text nested more than
-                1000 levels deep is refused (RequestError).
+                1000 levels deep, or with a JSON object of more than 10,000 members, is
+                refused (RequestError).
             tokens: also return the prompt's tokens, from the same render: a
                 :class:`PromptTokens` ``(prompt, tokens)``, tokens as :meth:`apply_template_tokens`
                 gives them (GGUF-backed templates only).
@@ -640,8 +641,8 @@ class ChatTemplate:
             prompt = self._core.apply_template(request_body(request), seconds)
         elif any(hasattr(h, "after_params") for h in hooks):
             prompt = self._apply_hooked(request, hooks, seconds).prompt
-        else:
-            prompt = self._core.apply_template(request_body(_before(request, hooks)), seconds)
+        else:  # (the notices were for the caller's request, not the hooks' body)
+            prompt = self._core.apply_template(request_body(_before(request, hooks)), seconds, notices=False)
         if tokens:
             return PromptTokens(prompt, self.tokenize(prompt, add_special=True, parse_special=True))
         return prompt
