@@ -219,6 +219,10 @@ def test_a_path_is_not_a_template(tmp_path):
     assert llamaprompt.ChatTemplate("hello").apply_template({"messages": [{"role": "user", "content": "x"}]}) == "hello"
 
 
+# a tool with no parameters, for the notices tests
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
 def _records(caplog):
     return [r.getMessage() for r in caplog.records if r.name == "llamaprompt" and r.levelno == logging.WARNING]
 
@@ -244,8 +248,7 @@ def test_top_level_template_variable_is_warned_once(caplog):
 
 
 def test_tools_a_template_ignores_are_warned_once(caplog):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [_TOOL]}
     gemma = llamaprompt.ChatTemplate.from_file(template_path("google-gemma-2-2b-it.jinja"))
     qwen = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
     assert not gemma.caps["supports_tools"] and not gemma.caps["supports_tool_calls"] and qwen.caps["supports_tools"]
@@ -267,8 +270,7 @@ def test_request_text_is_decoded_only_for_pending_warnings(monkeypatch):
     decoded = []
     counting = types.SimpleNamespace(loads=lambda text: decoded.append(text) or json.loads(text))
     monkeypatch.setattr(notices, "json", counting)
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]})
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "tools": [_TOOL]})
     qwen = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
     gemma = llamaprompt.ChatTemplate.from_file(template_path("google-gemma-2-2b-it.jinja"))
     qwen.apply(body)
@@ -291,13 +293,12 @@ def test_apply_template_warns_from_the_body_the_core_parses(form, monkeypatch, c
     from llamaprompt import notices
 
     monkeypatch.setattr(notices, "json", None)  # any decoding in Python would raise
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     hi = [{"role": "user", "content": "Hi"}]
     requests = [
         {"messages": hi, "tools": []},  # an empty list: no tools to leave out
         {"messages": hi, "chat_template_kwargs": {"enable_thinking": False}},  # where it belongs
-        {"messages": [{"role": "user", "content": "Hi", "documents": [], "tools": [tool]}]},  # not top level
-        {"messages": hi, "tools": [tool], "documents": []},
+        {"messages": [{"role": "user", "content": "Hi", "documents": [], "tools": [_TOOL]}]},  # not top level
+        {"messages": hi, "tools": [_TOOL], "documents": []},
         {"messages": hi, "documents": [], "model_identity": "x"},
     ]
     raising = llamaprompt.ChatTemplate("{% if messages[0].content == 'Hi' %}{{ raise_exception('no') }}{% endif %}x")
@@ -328,9 +329,6 @@ def test_apply_template_warns_from_the_body_the_core_parses(form, monkeypatch, c
             "model_identity",
             "tools",
         ], mine
-
-
-_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 def test_a_failing_notice_callback_changes_no_result(monkeypatch):
