@@ -390,6 +390,12 @@ def test_an_object_with_very_many_members_is_refused_before_parsing():
     assert t.apply_template({**body(9998, "top"), "k": "x," * 20000}).startswith("a, b, c|")  # commas in a string
     big_list = {"messages": hi, "chat_template_kwargs": {"kw": list(range(50000))}}  # arrays are not searched
     assert t.apply_template(big_list) == "a, b, c|50000"
+    # many objects: their lookups add up (two objects of 10,000 members: 99,990,000 key comparisons)
+    objects = [{f"k{i}": i for i in range(4000)}] * 12  # 12 x 7,998,000 comparisons
+    assert t.apply_template({"messages": hi, "chat_template_kwargs": {"kw": objects}}) == "a, b, c|12"
+    with pytest.raises(llamaprompt.RequestError, match="too many members together") as e:
+        t.apply_template({"messages": hi, "chat_template_kwargs": {"kw": objects + objects[:1]}})
+    assert e.value.status == 400
 
 
 @pytest.mark.parametrize(

@@ -37,9 +37,12 @@ json parse_body(const std::string & text, size_t max_tools) {
     constexpr int max_depth = 1000;
     // an object's parse looks each new key up among the ones before it (ordered_json: a
     // linear search), so its time grows with the square of its members: 30,000 keys ~2 s,
-    // 100,000 ~30 s, before any budget applies. Refused first, above this many commas at
-    // one object's level (llama-server has no such limit: it parses them)
+    // 100,000 ~30 s, before any budget applies. Refused first: an object of more than 10,000
+    // members, and objects whose lookups add up to more than two such objects' (twelve of
+    // 10,000 took 3 s). llama-server has no such limit: it parses them.
     constexpr size_t max_object_commas = 10000 - 1;
+    constexpr uint64_t max_lookups = uint64_t(max_object_commas) * (max_object_commas + 1);
+    uint64_t lookups = 0;  // a member after n others: n key comparisons
     int depth = 0;
     bool in_string = false;
     std::vector<size_t> commas;  // per open object (arrays hold SIZE_MAX: not counted)
@@ -63,10 +66,18 @@ json parse_body(const std::string & text, size_t max_tools) {
             if (!commas.empty()) {
                 commas.pop_back();
             }
-        } else if (c == ',' && !commas.empty() && commas.back() != SIZE_MAX && ++commas.back() > max_object_commas) {
-            throw error(error_kind::request, 400,
-                        "a JSON object in the request has more than " + std::to_string(max_object_commas + 1) +
-                            " members (llamaprompt's limit)");
+        } else if (c == ',' && !commas.empty() && commas.back() != SIZE_MAX) {
+            if (++commas.back() > max_object_commas) {
+                throw error(error_kind::request, 400,
+                            "a JSON object in the request has more than " + std::to_string(max_object_commas + 1) +
+                                " members (llamaprompt's limit)");
+            }
+            if ((lookups += commas.back()) > max_lookups) {
+                throw error(error_kind::request, 400,
+                            "the JSON objects in the request have too many members together: parsing them would "
+                            "take as long as more than two objects of " + std::to_string(max_object_commas + 1) +
+                                " members (llamaprompt's limit)");
+            }
         }
     }
     json body = json::parse(text);

@@ -609,7 +609,8 @@ class ChatTemplate:
                 ``chat_template_kwargs``, ``reasoning_effort``, ``add_generation_prompt``,
                 ``continue_final_message``, ``response_format`` ...) as a mapping or JSON text.
                 Image, audio and video parts become the media marker. Text nested more than
-                1000 levels deep, or with a JSON object of more than 10,000 members, is
+                1000 levels deep, or with a JSON object of more than 10,000 members (or
+                objects whose key lookups add up to more than two such objects'), is
                 refused (RequestError).
             tokens: also return the prompt's tokens, from the same render: a
                 :class:`PromptTokens` ``(prompt, tokens)``, tokens as :meth:`apply_template_tokens`
