@@ -229,6 +229,11 @@ struct llamaprompt_scope_object final : value_object_t {
         return typeid(vars) == typeid(llamaprompt_scope_object) ? static_cast<const llamaprompt_scope_object *>(&vars)
                                                                 : nullptr;
     }
+    // the variables a lookup reads after those of `vars`: its parent's; null: none
+    static const value_object_t * up(const value_object_t & vars) {
+        const auto * scope = of(vars);
+        return scope ? scope->parent.get() : nullptr;
+    }
 #ifdef LLAMAPROMPT_INSERT_PLAIN
     // a plain object's insert (value.h's object_insert rewrite): this type overrides nothing else
     using value_object_t::insert;
@@ -1110,8 +1115,7 @@ HEADER_REWRITES = [
             if (it != vars->unordered.end()) {
                 return it->second;
             }
-            const auto * scope = llamaprompt_scope_object::of(*vars);
-            vars = scope ? scope->parent.get() : nullptr;
+            vars = llamaprompt_scope_object::up(*vars);
         }
         return mk_val<value_undefined>(name);
     }
@@ -1158,10 +1162,9 @@ HEADER_REWRITES = [
 
     static void llamaprompt_all_vars_into(const value_object & vars, value_object_t & into) {
         std::vector<const value_object_t *> scopes;
-        for (const value_object_t * level = vars.get(); level != nullptr;) {
+        for (const value_object_t * level = vars.get(); level != nullptr;
+             level = llamaprompt_scope_object::up(*level)) {
             scopes.push_back(level);
-            const auto * scope = llamaprompt_scope_object::of(*level);
-            level = scope ? scope->parent.get() : nullptr;
         }
         for (auto it = scopes.rbegin(); it != scopes.rend(); ++it) {
             for (const auto & pair : (*it)->as_ordered_object()) {
