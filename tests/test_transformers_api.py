@@ -362,6 +362,67 @@ def test_a_keyboard_interrupt_in_a_notice_reaches_the_caller():
     assert t.apply_template({"messages": [{"role": "user", "content": "hi"}]}) == "x"
 
 
+class _FailingHandler(logging.Handler):
+    def handle(self, record):  # (not emit: logging's handleError would catch that)
+        raise RuntimeError("a handler failed")
+
+
+@pytest.mark.parametrize("path", ["core", "apply", "hooks"])
+def test_a_failing_log_handler_changes_no_result_on_either_path(path, monkeypatch):
+    # the core's call back (apply_template) and the Python check (apply(), hooks) report an error
+    # of a warning's logging alike: unraisable, with the same context; the result is the call's
+    class Hook:
+        def before_request(self, request):
+            return request
+
+    hooks = {"hooks": [Hook()]} if path == "hooks" else {}
+    source = "{% if messages[0].content == 'boom' %}{{ raise_exception('no') }}{% endif %}x"
+    t = llamaprompt.ChatTemplate(source, **hooks)
+    assert t._notices.watching
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append((str(u.exc_value), u.object)))
+    handler = _FailingHandler()
+    logging.getLogger("llamaprompt").addHandler(handler)
+    call = t.apply if path == "apply" else t.apply_template
+    try:
+        out = call({"messages": [{"role": "user", "content": "hi"}], "documents": []})
+        assert (out.prompt if path == "apply" else out) == "x"
+        with pytest.raises(llamaprompt.Error, match="Jinja Exception: no"):
+            call({"messages": [{"role": "user", "content": "boom"}], "model_identity": "m"})
+    finally:
+        logging.getLogger("llamaprompt").removeHandler(handler)
+    assert unraisable == [("a handler failed", "llamaprompt notices")] * 2
+
+
+def test_a_keyboard_interrupt_in_a_log_handler_reaches_the_caller_of_apply():
+    class Interrupting(logging.Handler):
+        def handle(self, record):
+            raise KeyboardInterrupt
+
+    t = llamaprompt.ChatTemplate("x")
+    handler = Interrupting()
+    logging.getLogger("llamaprompt").addHandler(handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            t.apply({"messages": [{"role": "user", "content": "hi"}], "documents": []})
+    finally:
+        logging.getLogger("llamaprompt").removeHandler(handler)
+
+
+@pytest.mark.parametrize("key", ["custom\\u005ftools", "\\u0064ocuments", "model\\u005Fidentity"])
+def test_a_key_written_with_json_escapes_is_warned_on_the_python_path(key, caplog):
+    # llama.cpp's parser (the core path) decodes the escapes; the Python check finds the key too
+    t = llamaprompt.ChatTemplate("x")
+    body = '{"messages": [{"role": "user", "content": "hi"}], "' + key + '": 1}'
+    decoded = json.loads(body)
+    [name] = [k for k in decoded if k != "messages"]
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        t.apply(body)
+        assert len(_records(caplog)) == 1 and repr(name) in _records(caplog)[0], _records(caplog)
+        t.apply_template(body.replace(key, name))  # warned once: not again on the other path
+    assert len(_records(caplog)) == 1
+
+
 def test_hooks_get_the_notices_of_the_callers_request(caplog):
     # a hook's additions are not the caller's keys: apply_template, _many and apply() warn alike
     class Adds:

@@ -65,7 +65,23 @@ py::object make_py_error(error_kind kind, int status, const std::string & messag
 }
 
 void register_errors(py::module_ & m) {
-    (void) m;
+    // an exception reported through sys.unraisablehook ("Exception ignored in: <context>"), as the
+    // C++ calls report the errors of their Python call backs: CPython offers Python code no public
+    // way to call the hook (its argument type has no constructor)
+    m.def(
+        "write_unraisable",
+        [](const py::handle & exc, const char * context) {
+            if (!PyExceptionInstance_Check(exc.ptr())) {
+                throw py::type_error("write_unraisable: an exception instance is needed");
+            }
+            PyObject * type = reinterpret_cast<PyObject *>(Py_TYPE(exc.ptr()));
+            Py_INCREF(type);
+            Py_INCREF(exc.ptr());
+            PyErr_Restore(type, exc.ptr(), PyException_GetTraceback(exc.ptr()));  // (the traceback: new or null)
+            py::error_already_set current;
+            current.discard_as_unraisable(context);
+        },
+        py::arg("exc"), py::arg("context"));
     py::module_ errors = py::module_::import("llamaprompt.errors");
     const char * names[4] = {"RequestError", "TemplateError", "ServerArgsError", "GGUFError"};
     for (size_t i = 0; i < 4; ++i) {

@@ -56,8 +56,18 @@ def _keys_text(keys: frozenset[str]) -> re.Pattern[bytes] | None:
     before decoding it: a hit may be nested, e.g. in ``chat_template_kwargs``); None for none."""
     if not keys:
         return None
-    return re.compile(rb'"(' + b"|".join(re.escape(k.encode()) for k in sorted(keys)) + rb')"\s*:')
+    return re.compile(rb'"(' + b"|".join(_key_text(k) for k in sorted(keys)) + rb')"\s*:')
 
+
+def _key_text(key: str) -> bytes:
+    """A pattern for ``key`` as JSON text writes it: each character as itself or as its ``\\u``
+    escape (``"custom\\u005ftools"`` is the key ``custom_tools`` to llama.cpp's parser too)."""
+    return b"".join(rb"(?:%s|\\u(?i:%04x))" % (re.escape(c.encode()), ord(c)) for c in key)
+
+
+#: What an error of a notice's logging is reported as (``sys.unraisablehook``'s ``err_msg``
+#: "Exception ignored in" and this ``object``), from Python and from the core alike.
+UNRAISABLE_CONTEXT = "llamaprompt notices"
 
 #: The top-level request keys a :class:`Notices` waits for, in the order of the bits of
 #: ``_core.Template.watch_notices`` (``tools`` counts only as a non-empty array).
@@ -111,7 +121,17 @@ class Notices:
         self._pending_text = _keys_text(frozenset(keys))
 
     def check(self, request: Any) -> None:
-        """Log what this request shows for the first time (cheap when nothing is pending)."""
+        """Log what this request shows for the first time (cheap when nothing is pending).
+
+        An error while logging (a failing handler or filter) is reported as unraisable
+        (``sys.unraisablehook``), as when the core reports the keys it saw: a notice never
+        replaces the call's result or error. KeyboardInterrupt and SystemExit propagate."""
+        try:
+            self._check(request)
+        except Exception as e:
+            _core.write_unraisable(e, UNRAISABLE_CONTEXT)
+
+    def _check(self, request: Any) -> None:
         if self._pending_text is None:
             return
         if isinstance(request, (bytes, str)):
