@@ -599,7 +599,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 54
+    assert len(engine) == 55
     skipped = [r for r in engine if not r["applied"]]
     assert [r["pattern"] for r in skipped] == ["    auto builtins = global_builtins();\n"]
     assert any("engine rewrite not applied" in n for n in info["notes"])
@@ -905,8 +905,10 @@ def test_value_pool_rewrite(tree, tmp_path):
     assert MAKE_SHARED not in mirrored
     assert "std::allocate_shared<PointeeType>(llamaprompt_value_pool::allocator<PointeeType>()," in mirrored
     assert mirrored.index("namespace llamaprompt_value_pool {") < mirrored.index("mk_val(Args&&... args)")
+    # its lists found through the thread pointer (src/cpp/thread_slots.h), included at file scope
+    assert mirrored.index('#include "thread_slots.h"') < mirrored.index("namespace jinja")
     rows = [r for r in _info(tmp_path)["rewrites"] if r.get("engine", "").startswith("values: allocated")]
-    assert len(rows) == 2 and all(r["applied"] for r in rows)
+    assert len(rows) == 3 and all(r["applied"] for r in rows)
 
 
 def test_value_pool_rewrite_is_all_or_nothing(tree, tmp_path):
@@ -915,9 +917,9 @@ def test_value_pool_rewrite_is_all_or_nothing(tree, tmp_path):
     _edit(tree.joinpath(*VALUE_H), MAKE_SHARED, by_new)
     assert _run(tree, tmp_path).returncode == 0
     mirrored = (tmp_path / "out" / "generated" / "mirror" / Path(*VALUE_H)).read_text()
-    assert "llamaprompt_value_pool" not in mirrored
+    assert "llamaprompt_value_pool" not in mirrored and "thread_slots.h" not in mirrored
     rows = [r for r in _info(tmp_path)["rewrites"] if r.get("engine", "").startswith("values: allocated")]
-    assert len(rows) == 2 and not any(r["applied"] for r in rows)
+    assert len(rows) == 3 and not any(r["applied"] for r in rows)
     assert any("values: allocated from per-thread free lists" in n for n in _info(tmp_path)["notes"])
 
 

@@ -216,3 +216,69 @@ def test_cache_steps_aside_under_memcheck():
     assert json.loads(proc.stdout) == [False, "forward", "<user>" + "x" * 300]
     assert "Mismatched free" not in proc.stderr
 
+
+
+# Threads find their lists of the cache through a slot chosen by their thread pointer
+# (src/cpp/thread_slots.h). Sequential threads reuse the stack, so the thread pointer, of the one
+# before (each gives its slot back when it ends); in a forked child new threads reuse the stacks of
+# the parent's other threads, whose slots the child frees (pthread_atfork). Each thread's answer is
+# whether it found its own lists there after an allocation (a hash collision with another live
+# thread's slot answers False: hence "most").
+SLOTS = r"""
+import json, os, threading
+import llamaprompt
+from llamaprompt import _core
+t = llamaprompt.ChatTemplate("{{ messages[0].content }}")
+request = {"messages": [{"role": "user", "content": "x" * 100}]}
+
+def found():
+    assert t.apply_template(request) == "x" * 100
+    return _core.block_cache_slot_found()
+
+def wave(n):
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(found())) for _ in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return sum(answers)
+
+out = {"main": found(), "concurrent": wave(8), "sequential": sum(wave(1) for _ in range(40))}
+release = threading.Event()
+held = threading.Barrier(5)
+
+def holder():
+    found()
+    held.wait()
+    release.wait()
+
+holders = [threading.Thread(target=holder) for _ in range(4)]
+for th in holders:
+    th.start()
+held.wait()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    child = {"main": found(), "threads": wave(4)}
+    os.write(w, json.dumps(child).encode())
+    os._exit(0)
+os.close(w)
+out["child"] = json.loads(os.read(r, 1000))
+os.waitpid(pid, 0)
+release.set()
+for th in holders:
+    th.join()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(_core.BLOCK_CACHE_MODE not in ("sized", "usable"), reason="no block cache in this process")
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")),
+                    reason="thread slots are built for Linux on x86-64 and aarch64")
+def test_threads_find_their_lists_through_their_thread_pointer():
+    proc = subprocess.run([sys.executable, "-c", SLOTS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["main"] and out["child"]["main"], out
+    assert out["concurrent"] >= 4 and out["sequential"] >= 36 and out["child"]["threads"] >= 3, out

@@ -841,24 +841,33 @@ JSON_DESTROY_STACK_NEW = (
 # larger ones) goes back to operator delete. The same values, constructed the same way.
 VALUE_POOL = "values: allocated from per-thread free lists, not malloc's slow path"
 MK_VAL_DECL = "template<typename T, typename... Args>\nstd::shared_ptr<typename extract_pointee<T>::type> mk_val("
+VALUE_POOL_INCLUDE_AT = "#pragma once\n"
+VALUE_POOL_INCLUDE = '#include "thread_slots.h"  // llamaprompt (src/cpp): the value pool finds its lists\n'
 VALUE_POOL_BLOCK = """// llamaprompt (an engine rewrite, see its adapt_tree.py): the memory of values built by mk_val
 namespace llamaprompt_value_pool {
 struct free_block { free_block * next; };
 constexpr std::size_t granule = 16;
 constexpr std::size_t classes = 40;  // blocks of 16, 32, ..., 624 bytes
 constexpr unsigned keep = 1024;      // free blocks kept per class and thread
-struct lists {                       // trivial: one thread-local access per allocation, no guard
+struct lists {                       // trivial: a thread-local without a guard
     free_block * head[classes];
     unsigned count[classes];
     unsigned char state;             // 0 not used yet, 1 in use, 2 the thread is ending
 };
-inline lists & local() {
+inline lists & own_lists() {
     static thread_local lists l;
     return l;
 }
+inline lists & local() {  // found through the thread pointer once claimed (llamaprompt's thread_slots.h)
+    if (lists * l = llamaprompt::thread_slots<lists>::find()) {
+        return *l;
+    }
+    return own_lists();
+}
 struct reaper {  // frees the thread's blocks when the thread ends
     ~reaper() {
-        lists & l = local();
+        llamaprompt::thread_slots<lists>::release();
+        lists & l = own_lists();
         l.state = 2;
         for (std::size_t c = 0; c < classes; ++c) {
             while (free_block * b = l.head[c]) {
@@ -873,6 +882,7 @@ inline void start(lists & l) {
     static thread_local reaper r;
     (void) r;
     l.state = 1;
+    llamaprompt::thread_slots<lists>::claim(&l);
 }
 inline std::size_t size_class(std::size_t bytes) {  // 0: not pooled
     const std::size_t c = (bytes + granule - 1) / granule;
@@ -955,6 +965,7 @@ HEADER_REWRITES = [
              requires=("common/jinja/value.h", "virtual ~value_t()"),
              lost="a list nested ~10^5 deep overflows the stack when its values are destroyed (the process dies)"),
         Edit(MK_VAL_DECL, VALUE_POOL_BLOCK + MK_VAL_DECL, speed=VALUE_POOL, group="value_pool"),
+        Edit(VALUE_POOL_INCLUDE_AT, VALUE_POOL_INCLUDE_AT + VALUE_POOL_INCLUDE, speed=VALUE_POOL, group="value_pool"),
         Edit("    return std::make_shared<PointeeType>(std::forward<Args>(args)...);\n",
              "    return std::allocate_shared<PointeeType>(llamaprompt_value_pool::allocator<PointeeType>(),\n"
              "                                             std::forward<Args>(args)...);\n",

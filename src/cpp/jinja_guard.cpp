@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "thread_slots.h"
+
 #if defined(__linux__) || defined(__APPLE__)
 #include <pthread.h>
 #endif
@@ -16,8 +18,8 @@ namespace {
 using clock = std::chrono::steady_clock;
 
 // one thread's limits and counters, in one constant-initialized object: a step (every
-// statement and expression) looks up the module's thread-local storage once, not once per
-// variable (in a dlopen-ed module each lookup is a call to __tls_get_addr)
+// statement and expression) finds it once (current(): through the thread's slot), not once per
+// variable
 struct guard_state {
     clock::time_point deadline = clock::time_point::max();
     double budget_seconds = 0;
@@ -28,7 +30,20 @@ struct guard_state {
     uint32_t steps = 0;
     size_t work = 0;  // jinja_guard_work's bytes since its last clock check
 };
-thread_local guard_state state;
+thread_local guard_state own_state;
+
+// the thread's state: found through the thread pointer once the thread has claimed its slot
+// (thread_slots.h: no __tls_get_addr call per statement), else its thread-local
+guard_state & current() noexcept {
+    if (guard_state * g = thread_slots<guard_state>::find()) {
+        return *g;
+    }
+    return own_state;
+}
+
+struct slot_release {  // gives the thread's slot back when the thread ends
+    ~slot_release() { thread_slots<guard_state>::release(); }
+};
 thread_local std::string last_fired;  // the message of the last guard that fired here
 
 // how deep execution may go below where the thread's stack begins: half of the stack, at most
@@ -42,7 +57,10 @@ size_t usable_depth(size_t stack_size) {
 }
 
 // the guard's floor (the address below which the stack guard fires) and the stack's lowest address
-void compute_stack_bounds(guard_state & g) {
+void compute_stack_bounds(guard_state & g) {  // (once per thread: the thread claims its slot here)
+    static thread_local slot_release release;
+    (void) release;
+    thread_slots<guard_state>::claim(&own_state);
     g.stack_floor = 0;
     g.stack_low = 0;
 #if defined(__linux__)
@@ -67,15 +85,15 @@ void compute_stack_bounds(guard_state & g) {
 }
 
 [[noreturn]] void fire(const std::string & what) {
-    ++state.fired;
+    ++current().fired;
     last_fired = what;
     throw std::runtime_error(what);
 }
 
 void check_time() {
-    if (clock::now() > state.deadline) {
+    if (clock::now() > current().deadline) {
         char buf[64];
-        snprintf(buf, sizeof(buf), "%g", state.budget_seconds);
+        snprintf(buf, sizeof(buf), "%g", current().budget_seconds);
         fire(std::string("template execution exceeded the time budget (") + buf + " s)");
     }
 }
@@ -83,8 +101,9 @@ void check_time() {
 }  // namespace
 
 jinja_budget::jinja_budget(const jinja_limits & limits)
-    : prev_deadline_(state.deadline), prev_max_bytes_(state.max_bytes), prev_seconds_(state.budget_seconds) {
-    guard_state & g = state;
+    : prev_deadline_(current().deadline), prev_max_bytes_(current().max_bytes),
+      prev_seconds_(current().budget_seconds) {
+    guard_state & g = current();
     g.budget_seconds = limits.seconds;
     // more than ~30 years (or inf) would overflow the clock: no deadline
     g.deadline = limits.seconds > 0 && limits.seconds < 1e9
@@ -94,18 +113,18 @@ jinja_budget::jinja_budget(const jinja_limits & limits)
 }
 
 jinja_budget::~jinja_budget() {
-    guard_state & g = state;
+    guard_state & g = current();
     g.deadline = prev_deadline_;
     g.max_bytes = prev_max_bytes_;
     g.budget_seconds = prev_seconds_;
 }
 
-uint64_t jinja_guard_fired() { return state.fired; }
+uint64_t jinja_guard_fired() { return current().fired; }
 
 std::string jinja_guard_last_message() { return last_fired; }
 
 size_t stack_left() {
-    guard_state & g = state;
+    guard_state & g = current();
     if (g.stack_floor == 1) {
         compute_stack_bounds(g);
     }
@@ -115,7 +134,7 @@ size_t stack_left() {
 }
 
 void jinja_guard_step() {
-    guard_state & g = state;
+    guard_state & g = current();
     const uint32_t steps = ++g.steps;
     if (g.stack_floor == 1) {
         compute_stack_bounds(g);
@@ -131,13 +150,13 @@ void jinja_guard_step() {
 }
 
 void jinja_guard_tick() {
-    if ((++state.steps & 4095) == 0) {
+    if ((++current().steps & 4095) == 0) {
         check_time();
     }
 }
 
 void jinja_guard_work(size_t bytes) {
-    guard_state & g = state;
+    guard_state & g = current();
     g.work += bytes + 256;  // a call costs something of its own: 4096 small ones are ~1 MiB
     if (g.work >= (size_t(1) << 20)) {
         g.work = 0;
@@ -148,7 +167,7 @@ void jinja_guard_work(size_t bytes) {
 void jinja_guard_size(size_t bytes, size_t parts) {
     // a part costs ~40 bytes of memory besides its text: count it as 32
     const size_t cost = (bytes > SIZE_MAX / 2 || parts > SIZE_MAX / 64) ? SIZE_MAX : bytes + parts * 32;
-    const size_t max_bytes = state.max_bytes;
+    const size_t max_bytes = current().max_bytes;
     if (max_bytes != 0 && cost > max_bytes) {
         fire("template execution exceeded the size budget (a value of " + std::to_string(bytes) + " bytes in " +
              std::to_string(parts) + " parts > " + std::to_string(max_bytes) + " bytes)");

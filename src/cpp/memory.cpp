@@ -32,6 +32,8 @@
 #include <atomic>
 #include <cstring>
 
+#include "thread_slots.h"
+
 namespace {
 
 struct free_block {
@@ -52,9 +54,18 @@ struct lists {  // trivial: a thread-local access without a guard
     unsigned char state;  // 0 not used yet, 1 in use, 2 the thread is ending
 };
 
-lists & local() noexcept {
+lists & own_lists() noexcept {
     static thread_local lists l;
     return l;
+}
+
+// the thread's lists: found through the thread pointer once the thread has claimed its slot
+// (thread_slots.h: no __tls_get_addr call on the hot paths), else its thread-local
+inline lists & local() noexcept {
+    if (lists * l = llamaprompt::thread_slots<lists>::find()) {
+        return *l;
+    }
+    return own_lists();
 }
 
 constexpr std::size_t capacity(std::size_t k) { return 16 * k + 8; }
@@ -72,7 +83,8 @@ constexpr keep_table keep;
 
 struct reaper {  // gives the thread's blocks back to malloc when the thread ends
     ~reaper() {
-        lists & l = local();
+        llamaprompt::thread_slots<lists>::release();  // (what the thread frees later: its thread-local, state 2)
+        lists & l = own_lists();
         l.state = 2;
         for (std::size_t k = 0; k < classes; ++k) {
             while (free_block * b = l.head[k]) {
@@ -88,12 +100,13 @@ void start(lists & l) noexcept {
     l.state = 1;
     static thread_local reaper r;
     (void) r;
+    llamaprompt::thread_slots<lists>::claim(&l);
 }
 
-// the paths off the hot ones (which read the thread-local once and call nothing before their
+// the paths off the hot ones (which find the thread's lists once and call nothing before their
 // return): a thread's first use, its end, a miss, a full list, a block of another size
 [[gnu::noinline]] void * allocate_slow(std::size_t n, std::size_t k) noexcept {
-    lists & l = local();
+    lists & l = own_lists();
     if (l.state == 0) {
         start(l);
     }
@@ -140,7 +153,7 @@ inline void deallocate(void * p, std::size_t k) noexcept {
 }
 
 void deallocate_slow(void * p, std::size_t k) noexcept {
-    lists & l = local();
+    lists & l = own_lists();
     if (l.state == 0) {
         start(l);
         if (k != 0) {
@@ -354,6 +367,10 @@ bool llamaprompt::block_sizes_fit(const std::vector<std::size_t> & usable) noexc
     });
 }
 
+bool llamaprompt::block_cache_slot_found() noexcept {
+    return llamaprompt::thread_slots<lists>::find() == &own_lists();
+}
+
 // std::string's out-of-line members (_M_create, _M_mutate, reserve, ...): libstdc++ declares them
 // an explicit instantiation of its own (extern template), so the module's strings grew through
 // libstdc++'s copies and their operator new. Instantiated here too (the same code, from the same
@@ -366,5 +383,6 @@ template class std::basic_string<char>;
 bool llamaprompt::block_cache_active() noexcept { return false; }
 const char * llamaprompt::block_cache_mode() noexcept { return "off"; }
 bool llamaprompt::block_sizes_fit(const std::vector<std::size_t> &) noexcept { return false; }
+bool llamaprompt::block_cache_slot_found() noexcept { return false; }
 
 #endif

@@ -26,4 +26,8 @@ const char * block_cache_mode() noexcept;
 // usable[n] is the usable size of malloc(n)'s block, n = 0 .. usable.size() - 1 (for tests; false
 // in a build without the cache)
 bool block_sizes_fit(const std::vector<std::size_t> & usable) noexcept;
+// whether the calling thread finds its block cache lists through its thread-pointer slot
+// (thread_slots.h) and they are its own (for tests; false before the thread's first allocation,
+// when its slot is another thread's, and in a build without the cache or the slots)
+bool block_cache_slot_found() noexcept;
 }  // namespace llamaprompt

@@ -40,6 +40,8 @@ PYBIND11_MODULE(_core, m) {
     m.attr("BLOCK_CACHE_MODE") = llamaprompt::block_cache_mode();
     // tests: the check that chooses "sized", on usable sizes given per request size 0, 1, 2, ...
     m.def("block_sizes_fit", &llamaprompt::block_sizes_fit, py::arg("usable"));
+    // tests: whether the calling thread finds its lists of the cache through its thread pointer
+    m.def("block_cache_slot_found", &llamaprompt::block_cache_slot_found);
     // bytes of the calling thread's stack left (a huge number when unknown): Python code that
     // decodes deep JSON itself (CPython's json recurses on the C stack) asks it first
     m.def("stack_left", []() { return llamaprompt::stack_left(); });

@@ -14,6 +14,7 @@
 #include "shim.h"
 #include "tree.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -373,14 +374,93 @@ struct parser_memo {
 
 std::shared_ptr<parser_memo> make_parser_memo() { return std::make_shared<parser_memo>(); }
 
+// whether a and b have the same JSON text: node for node, keys in order, strings byte for byte;
+// null and Booleans by value; any other value (a number: integer or float, signed or not, -0.0)
+// by its own text, as dump() writes it
+template <class Json> static bool same_json_text(const Json & a, const Json & b) {
+    if (a.is_object()) {
+        if (!b.is_object() || a.size() != b.size()) {
+            return false;
+        }
+        const auto ia = a.items();
+        const auto ib = b.items();
+        auto y = ib.begin();
+        for (auto x = ia.begin(); x != ia.end(); ++x, ++y) {
+            const auto & ea = *x;
+            const auto & eb = *y;
+            if (ea.key() != eb.key() || !same_json_text(ea.value(), eb.value())) {
+                return false;
+            }
+        }
+        return true;
+    }
+    if (a.is_array()) {
+        if (!b.is_array() || a.size() != b.size()) {
+            return false;
+        }
+        for (size_t i = 0; i < a.size(); ++i) {
+            if (!same_json_text(a.at(i), b.at(i))) {
+                return false;
+            }
+        }
+        return true;
+    }
+    if (a.is_string()) {
+        return b.is_string() && a.template get<std::string>() == b.template get<std::string>();
+    }
+    if (a.is_null()) {
+        return b.is_null();
+    }
+    if (a.is_boolean()) {
+        return b.is_boolean() && a.template get<bool>() == b.template get<bool>();
+    }
+    return !b.is_object() && !b.is_array() && !b.is_string() && a.dump() == b.dump();
+}
+
+// j.dump(), kept per thread for the last few values seen (every request dumps tools, schema and
+// template variables again; comparing is much cheaper than writing JSON text). Values whose text
+// is longer than max_text are not kept.
+template <class Json> static const std::string & dump_recent(const Json & j) {
+    struct entry {
+        Json value;
+        std::string text;
+    };
+    static constexpr size_t slots = 8;
+    static constexpr size_t max_text = 1 << 15;
+    thread_local std::vector<entry> recent;  // the most recent last
+    thread_local std::string uncached;
+    for (size_t i = recent.size(); i-- > 0;) {
+        if (same_json_text(j, recent[i].value)) {
+            if (i + 1 != recent.size()) {
+                std::rotate(recent.begin() + i, recent.begin() + i + 1, recent.end());
+            }
+            return recent.back().text;
+        }
+    }
+    std::string text = j.dump();
+    if (text.size() > max_text) {
+        uncached = std::move(text);
+        return uncached;
+    }
+    if (recent.size() == slots) {
+        recent.erase(recent.begin());
+    }
+    recent.push_back(entry{j, std::move(text)});
+    return recent.back().text;
+}
+
 static std::string parser_inputs_key(const common_chat_template & tmpl, const autoparser::generation_params & p) {
     std::string key = analysis_key(tmpl);
-    for (const std::string & part : {p.tools.dump(), p.json_schema.dump(), p.extra_context.dump(), p.grammar}) {
+    const auto add = [&key](const std::string & part) {
         key += '\x1f';
         key += std::to_string(part.size());
         key += ':';
         key += part;
-    }
+    };
+    add(dump_recent(p.tools));
+    add(dump_recent(p.json_schema));
+    add(dump_recent(p.extra_context));
+    add(p.grammar);
     for (int flag : {(int) p.tool_choice, (int) p.parallel_tool_calls, (int) p.reasoning_format, (int) p.stream,
                      (int) p.add_generation_prompt, (int) p.continue_final_message, (int) p.enable_thinking,
                      (int) p.add_bos, (int) p.add_eos, (int) p.is_inference, (int) p.add_inference,

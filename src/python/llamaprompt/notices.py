@@ -53,16 +53,13 @@ MISPLACED_KWARGS = (
 @functools.lru_cache(maxsize=64)
 def _keys_text(keys: frozenset[str]) -> re.Pattern[bytes] | None:
     """A search for any of ``keys`` as an object key anywhere in request text (a cheap filter
-    before decoding it: a hit may be nested, e.g. in ``chat_template_kwargs``); None for none."""
+    before decoding it: a hit may be nested, e.g. in ``chat_template_kwargs``); None for none.
+    A key written with a ``\\u`` escape (``"custom\\u005ftools"``, the key ``custom_tools`` to
+    llama.cpp's parser too) is a hit whatever it decodes to: decoding tells."""
     if not keys:
         return None
-    return re.compile(rb'"(' + b"|".join(_key_text(k) for k in sorted(keys)) + rb')"\s*:')
-
-
-def _key_text(key: str) -> bytes:
-    """A pattern for ``key`` as JSON text writes it: each character as itself or as its ``\\u``
-    escape (``"custom\\u005ftools"`` is the key ``custom_tools`` to llama.cpp's parser too)."""
-    return b"".join(rb"(?:%s|\\u(?i:%04x))" % (re.escape(c.encode()), ord(c)) for c in key)
+    plain = b"|".join(re.escape(k.encode()) for k in sorted(keys))
+    return re.compile(rb'"(?:' + plain + rb'|[^"]*\\u[^"]*)"\s*:')
 
 
 #: What an error of a notice's logging is reported as (``sys.unraisablehook``'s ``err_msg``
