@@ -58,8 +58,7 @@ template <class T> class thread_slots {
     // find() should see it; the object must outlive the thread's release())
     static void claim(T * object) noexcept {
 #if LP_THREAD_SLOTS
-        static const bool registered = pthread_atfork(nullptr, nullptr, &keep_only_the_forking_thread) == 0;
-        (void) registered;
+        (void) fork_handler_registered;  // (odr-used: registered when the module loads)
         const std::uintptr_t tp = thread_pointer();
         slot & s = slot_of(tp);
         std::uintptr_t free_slot = 0;
@@ -105,6 +104,12 @@ template <class T> class thread_slots {
             }
         }
     }
+
+    // registered while the module loads, not at a first claim: a claim can come from the first
+    // allocation of a thread, which could be inside another fork handler (with glibc's handler
+    // list locked)
+    static inline const bool fork_handler_registered =
+        pthread_atfork(nullptr, nullptr, &keep_only_the_forking_thread) == 0;
 #endif
 };
 
