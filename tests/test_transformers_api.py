@@ -486,3 +486,12 @@ def test_the_documented_differences_hold_for_transformers():
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]}]
     with pytest.raises(Exception, match="list object"):  # Qwen3 rejects a list where llama.cpp joins the text
         hf(qwen, parts)
+
+
+@pytest.mark.parametrize("args", [(ValueError("x"), None), (ValueError, "c"), (None, "c"), (42, "c")])
+def test_write_unraisable_refuses_what_it_cannot_report(args):
+    # (a None context was a null pointer: the process died)
+    from llamaprompt import _core
+
+    with pytest.raises(TypeError):
+        _core.write_unraisable(*args)

@@ -70,7 +70,7 @@ void register_errors(py::module_ & m) {
     // way to call the hook (its argument type has no constructor)
     m.def(
         "write_unraisable",
-        [](const py::handle & exc, const char * context) {
+        [](const py::handle & exc, const std::string & context) {  // (not const char *: None would be null)
             if (!PyExceptionInstance_Check(exc.ptr())) {
                 throw py::type_error("write_unraisable: an exception instance is needed");
             }
@@ -79,7 +79,7 @@ void register_errors(py::module_ & m) {
             Py_INCREF(exc.ptr());
             PyErr_Restore(type, exc.ptr(), PyException_GetTraceback(exc.ptr()));  // (the traceback: new or null)
             py::error_already_set current;
-            current.discard_as_unraisable(context);
+            current.discard_as_unraisable(context.c_str());
         },
         py::arg("exc"), py::arg("context"));
     py::module_ errors = py::module_::import("llamaprompt.errors");

@@ -417,7 +417,7 @@ template <class Json> static bool same_json_text(const Json & a, const Json & b)
     return !b.is_object() && !b.is_array() && !b.is_string() && a.dump() == b.dump();
 }
 
-// j.dump(), kept per thread for the last few values seen (every request dumps tools, schema and
+// j.dump(), kept per thread for the last few values seen (at most 4, each up to 16 KiB of text) (every request dumps tools, schema and
 // template variables again; comparing is much cheaper than writing JSON text). Values whose text
 // is longer than max_text are not kept.
 template <class Json> static const std::string & dump_recent(const Json & j) {
@@ -425,8 +425,8 @@ template <class Json> static const std::string & dump_recent(const Json & j) {
         Json value;
         std::string text;
     };
-    static constexpr size_t slots = 8;
-    static constexpr size_t max_text = 1 << 15;
+    static constexpr size_t slots = 4;
+    static constexpr size_t max_text = 1 << 14;
     thread_local std::vector<entry> recent;  // the most recent last
     thread_local std::string uncached;
     for (size_t i = recent.size(); i-- > 0;) {

@@ -488,7 +488,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=0.02,
         metavar="S",
-        help="seconds spent timing each template x request x peer (default 0.02; 0: one call each)",
+        help="seconds timing each template x request x peer, in three windows (default 0.02; 0: one call per window)",
     )
     p.add_argument("--server-url", metavar="URL", help="a llama-server, http://HOST:PORT (its template is compared)")
     p.add_argument(

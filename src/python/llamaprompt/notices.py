@@ -53,13 +53,22 @@ MISPLACED_KWARGS = (
 @functools.lru_cache(maxsize=64)
 def _keys_text(keys: frozenset[str]) -> re.Pattern[bytes] | None:
     """A search for any of ``keys`` as an object key anywhere in request text (a cheap filter
-    before decoding it: a hit may be nested, e.g. in ``chat_template_kwargs``); None for none.
-    A key written with a ``\\u`` escape (``"custom\\u005ftools"``, the key ``custom_tools`` to
-    llama.cpp's parser too) is a hit whatever it decodes to: decoding tells."""
+    before decoding it: a hit may be nested, e.g. in ``chat_template_kwargs``); None for none."""
     if not keys:
         return None
-    plain = b"|".join(re.escape(k.encode()) for k in sorted(keys))
-    return re.compile(rb'"(?:' + plain + rb'|[^"]*\\u[^"]*)"\s*:')
+    return re.compile(rb'"(' + b"|".join(re.escape(k.encode()) for k in sorted(keys)) + rb')"\s*:')
+
+
+# a JSON string followed by a colon (an object key), its text in group 1: one way to match each
+# character, so a failed attempt backtracks in linear time
+_ANY_KEY = re.compile(rb'"([^"\\]*(?:\\.[^"\\]*)*)"\s*:')
+
+
+def _escaped_key_in(text: bytes) -> bool:
+    """Whether request text has an object key written with a ``\\u`` escape
+    (``"custom\\u005ftools"`` is the key ``custom_tools`` to llama.cpp's parser too): decoding
+    then tells what it is."""
+    return b"\\u" in text and any(b"\\u" in m.group(1) for m in _ANY_KEY.finditer(text))
 
 
 #: What an error of a notice's logging is reported as (``sys.unraisablehook``'s ``err_msg``
@@ -133,7 +142,7 @@ class Notices:
             return
         if isinstance(request, (bytes, str)):
             text = request.encode("utf-8", "surrogatepass") if isinstance(request, str) else request
-            if not self._pending_text.search(text):
+            if not self._pending_text.search(text) and not _escaped_key_in(text):
                 return
             if _core.stack_left() < SMALL_STACK:
                 # a thread with a small stack: CPython's json could overflow it on a deep request
