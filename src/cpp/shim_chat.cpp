@@ -417,15 +417,15 @@ template <class Json> static bool same_json_text(const Json & a, const Json & b)
     return !b.is_object() && !b.is_array() && !b.is_string() && a.dump() == b.dump();
 }
 
-// j.dump(), kept per thread for the last few values seen (at most 4, each up to 16 KiB of text) (every request dumps tools, schema and
-// template variables again; comparing is much cheaper than writing JSON text). Values whose text
-// is longer than max_text are not kept.
+// j.dump(), kept per thread for the last few values seen (every request dumps tools, schema and
+// template variables again; comparing is much cheaper than writing JSON text): at most `kept`
+// values, each with a text of at most max_text bytes (longer ones are written every time)
 template <class Json> static const std::string & dump_recent(const Json & j) {
     struct entry {
         Json value;
         std::string text;
     };
-    static constexpr size_t slots = 4;
+    static constexpr size_t kept = 4;
     static constexpr size_t max_text = 1 << 14;
     thread_local std::vector<entry> recent;  // the most recent last
     thread_local std::string uncached;
@@ -442,7 +442,7 @@ template <class Json> static const std::string & dump_recent(const Json & j) {
         uncached = std::move(text);
         return uncached;
     }
-    if (recent.size() == slots) {
+    if (recent.size() == kept) {
         recent.erase(recent.begin());
     }
     recent.push_back(entry{j, std::move(text)});
