@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -143,6 +144,7 @@ def test_apply_template_many_called_from_several_threads_at_once():
 
 EXIT_WHILE_RENDERING = """
 import sys
+import time
 import threading
 import time
 
@@ -311,3 +313,44 @@ def test_threads_argument_is_checked(threads, error):
 def test_threads_takes_an_integer_of_another_type():
     t = _qwen()
     assert t.apply_template_many(_greetings(3), threads=np.int64(2)) == t.apply_template_many(_greetings(3))
+
+
+# A daemon thread renders a template that asks for the local time 300,000 times (a third of a
+# second or more); the main thread returns while it does. The process's exit must wait for the
+# render, so it takes a good part of the render's time after the main thread's last line.
+EXIT_DURING_A_RENDER = r"""
+import threading, time
+import llamaprompt
+slow = llamaprompt.ChatTemplate(
+    "{% for i in range(300000) %}{{ strftime_now('%H') }}{% endfor %}", timeout=None
+)
+hello = {"messages": [{"role": "user", "content": "hi"}]}
+slow.apply_template(hello)
+start = time.monotonic()
+slow.apply_template(hello)
+alone = time.monotonic() - start
+started = threading.Event()
+
+def render():
+    started.set()
+    slow.apply_template(hello)
+
+threading.Thread(target=render, daemon=True).start()
+started.wait()
+time.sleep(alone / 4)
+print(alone, time.monotonic(), flush=True)
+"""
+
+
+def test_exit_waits_for_the_renders_in_progress():
+    # exit() destroyed the module's statics while daemon threads still rendered: a render
+    # searched llama.cpp's table of Jinja built-ins after it was freed (exit 139, ~1 exit in 20
+    # with 300 daemon threads looping apply_template_many). Now, once Python has finalized, exit
+    # waits for the renders in progress and starts no new one (gil.cpp, hold_renders_at_exit)
+    proc = subprocess.run([sys.executable, "-c", EXIT_DURING_A_RENDER], capture_output=True, text=True, timeout=300)
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    alone, last_line = map(float, proc.stdout.split())
+    # the render had about three quarters of its time left (an exit that does not wait takes
+    # milliseconds: the interpreter's finalization)
+    assert ended - last_line > alone / 4, (alone, ended - last_line)

@@ -36,7 +36,7 @@ void after_fork_parent() { pthread_rwlock_unlock(current); }
 // the child's thread has a new id, so the parent's lock (held by it) is left as it is
 void after_fork_child() { current = new_lock(); }
 
-// made at the first C++ work (thread-safe: a function's static), never destroyed
+// made once (thread-safe: a function's static), never destroyed
 pthread_rwlock_t & fork_lock() {
     static const bool made = [] {
         current = new_lock();
@@ -47,13 +47,45 @@ pthread_rwlock_t & fork_lock() {
     return *current;
 }
 
+// ... while the module loads, not at the first C++ work: a handler registered while another
+// thread is inside fork() is left out of that fork, and the child would keep a lock held by a
+// thread it does not have (its next fork would wait for ever)
+[[maybe_unused]] const bool made_at_load = (fork_lock(), true);
+
+// At interpreter exit, daemon threads may still be rendering (the GIL released) while exit()
+// destroys the module's statics -- llama.cpp's table of Jinja built-ins among them, which a
+// render then searched after it was freed (a segfault at exit, a few runs in a hundred with
+// hundreds of rendering daemon threads). So once Python has finalized (Py_AtExit: after its
+// finalization, before exit()'s handlers) the lock is taken exclusively, as a fork takes it:
+// exit waits for the renders in progress to end and no new one starts. Never given back, unless
+// the interpreter is initialized again in this process (the module's init, hold_renders_at_exit).
+bool held_at_exit = false;
+
+void hold_renders_now() {
+    pthread_rwlock_wrlock(&fork_lock());
+    held_at_exit = true;
+}
+
 }  // namespace
 
 void fork_hold_enter() { pthread_rwlock_rdlock(&fork_lock()); }
 void fork_hold_leave() { pthread_rwlock_unlock(&fork_lock()); }
+
+void hold_renders_at_exit() {
+    if (held_at_exit) {  // a new interpreter after Py_FinalizeEx (the same thread, the same lock)
+        held_at_exit = false;
+        pthread_rwlock_unlock(&fork_lock());
+    }
+    // (a full table of Py_AtExit's 32 functions: the C library's, later than the statics made so far)
+    if (Py_AtExit(hold_renders_now) != 0) {
+        std::atexit(hold_renders_now);
+    }
+}
 #else
 void fork_hold_enter() {}
 void fork_hold_leave() {}
+// (Windows ends the process's other threads before it destroys a module's statics)
+void hold_renders_at_exit() {}
 #endif
 
 }  // namespace llamaprompt

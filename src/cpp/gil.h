@@ -32,6 +32,9 @@ namespace llamaprompt {
 
 void fork_hold_enter();  // gil.cpp
 void fork_hold_leave();
+// from the module's init: at interpreter exit, waits for the renders in progress and keeps new
+// ones from starting before the module's statics are destroyed (gil.cpp)
+void hold_renders_at_exit();
 
 // the shared hold against fork() for a stretch of C++ work (on any thread)
 class fork_hold {

@@ -1,6 +1,7 @@
 // llamaprompt._core: llama.cpp's chat-template code, compiled from the tree the build was given.
 // Each topic registers itself from its own file; this file only wires them up.
 #include "errors.h"
+#include "gil.h"
 #include "logging.h"
 #include "jinja_guard.h"
 #include "memory.h"
@@ -52,6 +53,7 @@ PYBIND11_MODULE(_core, m) {
     // llama.cpp / ggml logs go to Python's logging ("llamaprompt.llama_cpp"), never stderr
     llamaprompt::install_log_callback();
     llama_backend_init();
+    llamaprompt::hold_renders_at_exit();
 
     llamaprompt::register_errors(m);
     llamaprompt::register_template(m);
