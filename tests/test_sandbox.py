@@ -3,13 +3,15 @@ the calling process, and ordinary results equal ChatTemplate's."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 
 import pytest
 
 import llamaprompt
-from conftest import interrupt_next_receive, load_reference, run_forking_script, template_path
+from conftest import interrupt_next_receive, load_reference, run_forking_script, template_path, vocab_gguf
 from llamaprompt.sandbox import UntrustedTemplate
 
 REQ = {"messages": [{"role": "user", "content": "hi"}]}
@@ -154,3 +156,71 @@ def test_a_forked_child_uses_a_worker_of_its_own():
     # the parent's worker and pipes (a call could reach the parent's worker)
     proc = run_forking_script(FORK_WHILE_A_CALL_HOLDS_THE_LOCK)
     assert (proc.returncode, proc.stdout.split("\n")[:2]) == (0, ["child: child", "parent: parent again"]), proc.stderr
+
+
+def _logged(records) -> list[tuple[str, int, str]]:
+    return [(r.name, r.levelno, r.getMessage()) for r in records if r.name.startswith("llamaprompt")]
+
+
+def test_the_workers_logs_reach_the_callers_logging(caplog, tmp_path):
+    # the notices (a top-level template variable, tools a template ignores) and llama.cpp's lines
+    # (a tool's schema llama.cpp cannot convert) are logged in the calling process as ChatTemplate
+    # logs them; the worker's went to its own NullHandler
+    from test_gguf import SPM, _rewrite
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "^(?=a)b$"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "enable_thinking": False}
+    sources = [template_path(n).read_text() for n in ("Qwen-Qwen3-0.6B.jinja", "google-gemma-2-2b-it.jinja")]
+    logged = {}
+    for cls in (llamaprompt.ChatTemplate, UntrustedTemplate):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="llamaprompt"):
+            for source in sources:
+                t = cls(source)
+                t.apply(body)
+                t.apply_template(body)
+                t.apply(body)  # (each notice once per template)
+        logged[cls] = _logged(caplog.records)
+    assert logged[UntrustedTemplate] == logged[llamaprompt.ChatTemplate]
+    names = [name for name, _, _ in logged[UntrustedTemplate]]
+    assert names.count("llamaprompt") == 3 and "llamaprompt.llama_cpp" in names
+    assert any("supports_tools" in m for _, _, m in logged[UntrustedTemplate])
+
+    # the load's: a GGUF without a template falls back to chatml, and llama.cpp reads the file
+    path = _rewrite(vocab_gguf(SPM), tmp_path / "t.gguf", remove=["tokenizer.chat_template"])
+    for cls in (llamaprompt.ChatTemplate, UntrustedTemplate):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="llamaprompt"):
+            cls.from_gguf(path)
+        logged[cls] = _logged(caplog.records)
+    assert logged[UntrustedTemplate] == logged[llamaprompt.ChatTemplate]
+    assert any(name == "llamaprompt" and "chatml" in m for name, _, m in logged[UntrustedTemplate])
+
+    # nothing below the caller's levels comes back (the worker logs at those levels)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="llamaprompt"), UntrustedTemplate(sources[0]) as u:
+        u.apply(body)
+    assert _logged(caplog.records) == []
+
+
+def test_a_failing_handler_of_the_workers_notice_is_unraisable(caplog):
+    class Failing(logging.Handler):
+        def emit(self, record):
+            raise RuntimeError("handler failed")  # (out of logger.log: Handler.handle does not catch)
+
+    source = template_path("google-gemma-2-2b-it.jinja").read_text()
+    want = llamaprompt.ChatTemplate(source).apply_template(REQ)
+    seen = []
+    log = logging.getLogger("llamaprompt")
+    handler = Failing()
+    log.addHandler(handler)
+    old = sys.unraisablehook
+    sys.unraisablehook = lambda u: seen.append((type(u.exc_value), u.object))
+    try:
+        with UntrustedTemplate(source) as u:
+            prompt = u.apply_template({**REQ, "enable_thinking": False})
+    finally:
+        sys.unraisablehook = old
+        log.removeHandler(handler)
+    assert prompt == want  # the call's result, not the handler's error
+    assert seen == [(RuntimeError, "llamaprompt notices")]

@@ -15,12 +15,16 @@ runs every template execution -- the load-time probe included -- in a separate p
 
 The calling process never executes the template. Results are exactly ChatTemplate's (the
 worker is a ChatTemplate); the cost is one process (~50 MiB) and an IPC round trip per call
-(see benchmarks/sandbox.py).
+(see benchmarks/sandbox.py). What the worker logs -- :mod:`llamaprompt.notices`' warnings on
+``llamaprompt``, llama.cpp's lines on ``llamaprompt.llama_cpp`` -- at the levels the calling
+process's loggers have enabled goes back with each answer and is logged here, before the
+call returns or raises (a new worker after a crash warns again what the old one had).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import select
@@ -33,7 +37,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from . import _core
 from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateError
+from .notices import UNRAISABLE_CONTEXT
 from .options import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT, Options
 from .params import ChatParams
 from .text import fspath, messages_list, request_body
@@ -44,9 +50,62 @@ DEFAULT_MAX_MEMORY_BYTES = 4 * 1024 * 1024 * 1024
 
 _ERRORS = {c.__name__: c for c in (Error, RequestError, TemplateError, ServerArgsError, GGUFError)}
 
+# the loggers whose records the worker sends back: the notices' and llama.cpp's (its child)
+_LOGGERS = ("llamaprompt", "llamaprompt.llama_cpp")
 
-def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_bytes: int) -> None:
-    """The worker: builds the ChatTemplate, then answers (method, args) requests."""
+
+def _levels() -> tuple[int, ...]:
+    """The calling process's effective levels of _LOGGERS (the worker logs no less than these)."""
+    return tuple(logging.getLogger(name).getEffectiveLevel() for name in _LOGGERS)
+
+
+class _Records(logging.Handler):
+    """The worker's handler on the ``llamaprompt`` logger: (logger name, level, message) of each
+    record, sent back with the answer to the call that logged it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int, str]] = []
+        top = logging.getLogger(_LOGGERS[0])
+        top.addHandler(self)
+        top.propagate = False  # (the worker's stderr is the parent's: nothing printed twice)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.name, record.levelno, record.getMessage()))
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted (logging's own way)
+            self.handleError(record)
+
+    def take(self, levels: tuple[int, ...]) -> list[tuple[str, int, str]]:
+        """The records so far (cleared); ``levels`` set for the next call's."""
+        out, self.records = self.records, []
+        for name, level in zip(_LOGGERS, levels):
+            logging.getLogger(name).setLevel(level)
+        return out
+
+
+def _relay(records: list[tuple[str, int, str]]) -> None:
+    """Log the worker's records on this process's loggers of the same names, where enabled. A
+    failing handler of a notice is reported as unraisable (as ChatTemplate's notices are); one of
+    llama.cpp's lines raises (as ChatTemplate's log does)."""
+    for name, level, message in records:
+        log = logging.getLogger(name)
+        if not log.isEnabledFor(level):
+            continue
+        if name != _LOGGERS[0]:
+            log.log(level, "%s", message)
+            continue
+        try:
+            log.log(level, "%s", message)
+        except Exception as e:  # noqa: BLE001
+            _core.write_unraisable(e, UNRAISABLE_CONTEXT)
+
+
+def _worker_main(
+    conn, build: tuple, max_memory_bytes: int | None, max_output_bytes: int, levels: tuple[int, ...]
+) -> None:
+    """The worker: builds the ChatTemplate, then answers (method, args, levels) requests; each
+    answer ends with the records logged meanwhile."""
     with contextlib.suppress(ValueError):  # the parent decides when we stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if max_memory_bytes:
@@ -58,35 +117,35 @@ def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_by
             pass
     from .template import _restore
 
+    logs = _Records()
+    logs.take(levels)
+
     def reply_error(e: BaseException) -> None:
         if isinstance(e, Error):
-            conn.send(("error", type(e).__name__, e.message, e.status))
+            conn.send(("error", type(e).__name__, e.message, e.status, logs.take(levels)))
         elif isinstance(e, MemoryError):
-            conn.send(("error", "TemplateError", "out of memory (the sandbox's memory budget)", 500))
+            conn.send(("error", "TemplateError", "out of memory (the sandbox's memory budget)", 500, logs.take(levels)))
         else:
-            conn.send(("error", type(e).__name__, str(e), None))
+            conn.send(("error", type(e).__name__, str(e), None, logs.take(levels)))
 
     try:
         template = _restore(*build)  # (source, gguf_path, tokens, Options): the parent's template
-        conn.send(
-            (
-                "ok",
-                {
-                    "caps": template.caps,
-                    "detected_caps": template.detected_caps,
-                    "props": template.props(),
-                    "supports_thinking": template.supports_thinking,
-                    "source": template.source,
-                    "tool_use_source": template.tool_use_source,
-                },
-            )
-        )
+        info = {
+            "caps": template.caps,
+            "detected_caps": template.detected_caps,
+            "props": template.props(),
+            "supports_thinking": template.supports_thinking,
+            "source": template.source,
+            "tool_use_source": template.tool_use_source,
+        }
+        conn.send(("ok", info, logs.take(levels)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         reply_error(e)
         return
     while True:
         try:
-            method, payload = conn.recv()
+            method, payload, levels = conn.recv()
+            logs.take(levels)  # (nothing logged between calls)
         except EOFError:
             return
         try:
@@ -108,7 +167,7 @@ def _worker_main(conn, build: tuple, max_memory_bytes: int | None, max_output_by
                 out = template.normalize(messages, tools=tools)
             else:
                 raise ValueError(f"unknown method {method}")
-            conn.send(("ok", out))
+            conn.send(("ok", out, logs.take(levels)))
         except BaseException as e:  # noqa: BLE001
             reply_error(e)
 
@@ -193,11 +252,11 @@ def _worker_entry() -> None:
     conn = _PipeConnection(sys.stdin.buffer, sys.stdout.buffer)
     sys.stdout = sys.stderr  # anything printed must not corrupt the channel
     try:
-        build, max_memory, max_output = conn.recv()
+        build, max_memory, max_output, levels = conn.recv()
     except Exception as e:  # noqa: BLE001 - e.g. a hook class that cannot be imported here
-        conn.send(("error", "TemplateError", f"the sandbox worker cannot rebuild the template: {e}", None))
+        conn.send(("error", "TemplateError", f"the sandbox worker cannot rebuild the template: {e}", None, []))
         return
-    _worker_main(conn, build, max_memory, max_output)
+    _worker_main(conn, build, max_memory, max_output, levels)
 
 
 class UntrustedTemplate:
@@ -214,7 +273,8 @@ class UntrustedTemplate:
 
     ``caps``, ``detected_caps``, ``props()``, ``source``, ``tool_use_source``,
     ``supports_thinking``, ``apply_template()``, ``apply()`` and ``normalize()`` behave as
-    ChatTemplate's. The ChatParams from ``apply()`` carry no parser binding (parse them with a
+    ChatTemplate's, and log as it does (the worker's records are logged here when its answer
+    arrives, on the loggers of the same names, at the levels enabled here). The ChatParams from ``apply()`` carry no parser binding (parse them with a
     trusted ChatTemplate). Raises TemplateError when a budget is exceeded or the worker
     crashes; the object stays usable (a new worker is started on the next call). Calls from
     several threads are serialized.
@@ -298,7 +358,7 @@ class UntrustedTemplate:
         self._proc = proc
         self._conn = _PipeConnection(proc.stdout, proc.stdin)
         try:
-            self._conn.send((self._build, self._max_memory, self._max_output))
+            self._conn.send((self._build, self._max_memory, self._max_output, _levels()))
         except (OSError, ValueError, pickle.PicklingError, AttributeError, TypeError) as e:
             self._kill()
             raise TemplateError(f"the template cannot be sent to the sandbox worker: {e}", None) from None
@@ -335,9 +395,10 @@ class UntrustedTemplate:
             self._kill()
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             raise TemplateError(f"the template crashed the sandbox worker ({how})", 500) from None
+        _relay(msg[-1])
         if msg[0] == "ok":
             return msg[1]
-        _, cls_name, message, status = msg
+        _, cls_name, message, status, _ = msg
         cls = _ERRORS.get(cls_name)
         if cls is not None:
             raise cls(message, status)
@@ -355,7 +416,7 @@ class UntrustedTemplate:
                 self._kill()
                 self._info = self._start()
             try:
-                self._conn.send((method, payload))
+                self._conn.send((method, payload, _levels()))
             except (OSError, EOFError, BrokenPipeError):
                 self._kill()
                 raise TemplateError("the sandbox worker is gone", 500) from None
