@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -314,6 +315,22 @@ def test_worker_errors_pickling_and_parse(other_core):
     assert t.describe()["llama_cpp_commit"] == OTHER_COMMIT
     many = t.apply_template_many([request, {"messages": 1}], return_exceptions=True)
     assert many[0] == t.apply_template(request) and isinstance(many[1], llamaprompt.RequestError)
+
+
+def test_worker_logs_reach_the_callers_logging(other_core, caplog):
+    # llama.cpp's lines logged by the worker's core (its warning about a tool schema it cannot
+    # convert: json-schema-to-grammar.cpp, both trees) are logged here, at the levels enabled here
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "^(?=a)b$"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool]}
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), llama_cpp=OTHER)
+    with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+        t.apply(body)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llamaprompt.llama_cpp"]
+    assert any("JSON schema conversion was incomplete" in line for line in lines), lines
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="llamaprompt"):
+        t.apply(body)
+    assert not [r for r in caplog.records if r.name.startswith("llamaprompt")]
 
 
 def test_worker_gguf_tokens(other_core):

@@ -6,7 +6,9 @@ read once from the worker, its classes (``Template``, ``Model``, ``OutputParser`
 objects that live in the worker, and every method call and function call is sent there and
 answered with the core's result or the exception it raised (llamaprompt's error classes
 keep their message and status). ChatTemplate uses it exactly as it uses ``_core``, so the
-Python layer -- hooks, argument checks, ChatParams -- is the same for every core.
+Python layer -- hooks, argument checks, ChatParams, notices -- is the same for every core.
+llama.cpp's log lines of a call come back with its answer and are logged here
+(``llamaprompt.llama_cpp``, at the levels enabled here), as the in-process core logs them.
 
 The worker is ``python -m llamaprompt.remote`` with ``LLAMAPROMPT_CORE`` naming the core, so
 it loads that module and no other. One worker per core per process, started on first use and
@@ -30,7 +32,7 @@ from typing import Any
 
 from .cores import CORE_ENV, Core
 from .errors import TOO_DEEP_FOR_PYTHON, CoreError, RequestError
-from .sandbox import _PipeConnection
+from .sandbox import _levels, _PipeConnection, _Records, _relay
 
 __all__ = ["RemoteCore", "remote_core"]
 
@@ -85,32 +87,34 @@ def _serve() -> None:
         )
     )
     core_types = tuple(getattr(_core, n) for n in classes)
+    logs = _Records()  # the core's llama.cpp lines, sent back with each answer
 
     def unwrap(args: tuple) -> list:
         return [objects[a.id] if isinstance(a, _Handle) else a for a in args]
 
-    def answer(reply: tuple[str, Any]) -> None:
+    def answer(reply: tuple[str, Any], records: list) -> None:
         """Send the reply; what cannot be pickled goes back as an error (OSError: the pipe)."""
         try:
-            conn.send(reply)
+            conn.send((*reply, records))
         except RecursionError:  # as the in-process core answers a result too deep for Python
-            conn.send(("error", RequestError(TOO_DEEP_FOR_PYTHON, 400)))
+            conn.send(("error", RequestError(TOO_DEEP_FOR_PYTHON, 400), records))
         except Exception as e:  # noqa: BLE001 - pickling failed: nothing was written
             if isinstance(e, OSError):
                 raise
             bad = reply[1] if reply[0] == "error" else e
             try:
-                conn.send(("error", bad))
+                conn.send(("error", bad, records))
             except Exception as e2:  # noqa: BLE001 - an exception that cannot travel: its text does
                 if isinstance(e2, OSError):
                     raise
-                conn.send(("error", RuntimeError(f"{type(bad).__name__}: {bad}")))
+                conn.send(("error", RuntimeError(f"{type(bad).__name__}: {bad}"), records))
 
     while True:
         try:
-            op, target, name, args, kwargs, dropped = conn.recv()
+            op, target, name, args, kwargs, dropped, levels = conn.recv()
         except EOFError:
             return
+        logs.take(levels)
         for h in dropped:
             objects.pop(h, None)
         try:
@@ -131,7 +135,7 @@ def _serve() -> None:
         except BaseException as e:  # noqa: BLE001 - every exception goes back to the caller
             reply = ("error", e)
         try:
-            answer(reply)
+            answer(reply, logs.take(levels))
         except OSError:  # the parent closed the pipe (it stopped the worker: its exit): no one to answer
             return
 
@@ -188,7 +192,7 @@ class RemoteCore:
             close_fds=True,
         )
         self._conn = _PipeConnection(self._proc.stdout, self._proc.stdin)
-        kind, info = self._receive(CALL_TIMEOUT)
+        kind, info = self._receive(CALL_TIMEOUT)[:2]
         if kind != "ok":
             raise info
         self._classes = set(info["classes"])
@@ -270,7 +274,7 @@ class RemoteCore:
                 )
             dropped, self._dropped[:] = list(self._dropped), []
             try:
-                self._conn.send((op, target, name, wire, kwargs, dropped))
+                self._conn.send((op, target, name, wire, kwargs, dropped, _levels()))
             except (OSError, ValueError):
                 self._gone()
                 if self._stopped:
@@ -279,7 +283,8 @@ class RemoteCore:
                     f"the worker process of the llama.cpp {self.core.label()} core is gone; create the template "
                     "again (a new worker starts)"
                 ) from None
-            status, value = self._receive(CALL_TIMEOUT)
+            status, value, records = self._receive(CALL_TIMEOUT)
+        _relay(records)  # (outside the lock: a handler may call the core)
         if status == "error":
             raise value
         if status == "obj":

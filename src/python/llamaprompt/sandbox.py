@@ -60,8 +60,9 @@ def _levels() -> tuple[int, ...]:
 
 
 class _Records(logging.Handler):
-    """The worker's handler on the ``llamaprompt`` logger: (logger name, level, message) of each
-    record, sent back with the answer to the call that logged it."""
+    """A worker's handler on the ``llamaprompt`` logger (this module's, and another core's in
+    llamaprompt.remote): (logger name, level, message) of each record, sent back with the answer
+    to the call that logged it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -274,10 +275,10 @@ class UntrustedTemplate:
     ``caps``, ``detected_caps``, ``props()``, ``source``, ``tool_use_source``,
     ``supports_thinking``, ``apply_template()``, ``apply()`` and ``normalize()`` behave as
     ChatTemplate's, and log as it does (the worker's records are logged here when its answer
-    arrives, on the loggers of the same names, at the levels enabled here). The ChatParams from ``apply()`` carry no parser binding (parse them with a
-    trusted ChatTemplate). Raises TemplateError when a budget is exceeded or the worker
-    crashes; the object stays usable (a new worker is started on the next call). Calls from
-    several threads are serialized.
+    arrives, on the loggers of the same names, at the levels enabled here). The ChatParams
+    from ``apply()`` carry no parser binding (parse them with a trusted ChatTemplate). Raises
+    TemplateError when a budget is exceeded or the worker crashes; the object stays usable (a
+    new worker is started on the next call). Calls from several threads are serialized.
     """
 
     def __init__(
