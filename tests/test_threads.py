@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import llamaprompt
-from conftest import load_reference, mask_dates, reference_cases, template_path
+from conftest import load_reference, mask_dates, reference_cases, template_path, vocab_gguf
 
 
 def test_threads_give_sequential_prompts():
@@ -315,42 +315,74 @@ def test_threads_takes_an_integer_of_another_type():
     assert t.apply_template_many(_greetings(3), threads=np.int64(2)) == t.apply_template_many(_greetings(3))
 
 
-# A daemon thread renders a template that asks for the local time 300,000 times (a third of a
-# second or more); the main thread returns while it does. The process's exit must wait for the
-# render, so it takes a good part of the render's time after the main thread's last line.
-EXIT_DURING_A_RENDER = r"""
-import threading, time
+# A daemon thread tokenizes ~2 MB of text (a second or more of C++ work outside the template
+# engine); the main thread returns while it does. The process's exit must wait for that work, so
+# it takes a good part of its time after the main thread's last line.
+EXIT_DURING_WORK = r"""
+import sys, threading, time
 import llamaprompt
-slow = llamaprompt.ChatTemplate(
-    "{% for i in range(300000) %}{{ strftime_now('%H') }}{% endfor %}", timeout=None
-)
-hello = {"messages": [{"role": "user", "content": "hi"}]}
-slow.apply_template(hello)
+t = llamaprompt.ChatTemplate.from_gguf(sys.argv[1])
+text = "hello world, " * 150_000
 start = time.monotonic()
-slow.apply_template(hello)
+t.tokenize(text)
 alone = time.monotonic() - start
 started = threading.Event()
 
-def render():
+def work():
     started.set()
-    slow.apply_template(hello)
+    t.tokenize(text)
 
-threading.Thread(target=render, daemon=True).start()
+threading.Thread(target=work, daemon=True).start()
 started.wait()
 time.sleep(alone / 4)
 print(alone, time.monotonic(), flush=True)
 """
 
+# A daemon thread runs a template loop of 10^10 iterations without a time budget; the exit must
+# not wait for it (the executions in progress are stopped at exit).
+EXIT_DURING_AN_ENDLESS_RENDER = r"""
+import threading, time
+import llamaprompt
+loop = llamaprompt.ChatTemplate(
+    "{% if messages[0].content == 'go' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}", timeout=None
+)
+started = threading.Event()
 
-def test_exit_waits_for_the_renders_in_progress():
+def render():
+    started.set()
+    loop.apply_template({"messages": [{"role": "user", "content": "go"}]})
+
+threading.Thread(target=render, daemon=True).start()
+started.wait()
+time.sleep(0.2)
+print(time.monotonic(), flush=True)
+"""
+
+
+def test_exit_waits_for_the_cpp_work_in_progress():
     # exit() destroyed the module's statics while daemon threads still rendered: a render
     # searched llama.cpp's table of Jinja built-ins after it was freed (exit 139, ~1 exit in 20
     # with 300 daemon threads looping apply_template_many). Now, once Python has finalized, exit
-    # waits for the renders in progress and starts no new one (gil.cpp, hold_renders_at_exit)
-    proc = subprocess.run([sys.executable, "-c", EXIT_DURING_A_RENDER], capture_output=True, text=True, timeout=300)
+    # waits for the C++ work in progress and starts no new one (gil.cpp, hold_renders_at_exit)
+    path = vocab_gguf("ggml-vocab-llama-spm.gguf")
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_WORK, str(path)], capture_output=True, text=True, timeout=300
+    )
     ended = time.monotonic()
     assert proc.returncode == 0, proc.stderr[-2000:]
     alone, last_line = map(float, proc.stdout.split())
-    # the render had about three quarters of its time left (an exit that does not wait takes
+    # the work had about three quarters of its time left (an exit that does not wait takes
     # milliseconds: the interpreter's finalization)
     assert ended - last_line > alone / 4, (alone, ended - last_line)
+
+
+def test_exit_stops_template_executions_in_progress():
+    # the exit's wait is not as long as a template execution without a budget: executions stop
+    # at their next time check (jinja_guard_stop_all); the loop alone would run for hours
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_AN_ENDLESS_RENDER], capture_output=True, text=True, timeout=120
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ended - float(proc.stdout) < 30

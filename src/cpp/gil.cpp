@@ -57,11 +57,14 @@ pthread_rwlock_t & fork_lock() {
 // render then searched after it was freed (a segfault at exit, a few runs in a hundred with
 // hundreds of rendering daemon threads). So once Python has finalized (Py_AtExit: after its
 // finalization, before exit()'s handlers) the lock is taken exclusively, as a fork takes it:
-// exit waits for the renders in progress to end and no new one starts. Never given back, unless
-// the interpreter is initialized again in this process (the module's init, hold_renders_at_exit).
+// exit waits for the renders in progress to end and no new one starts. Template executions are
+// told to stop first (at their next time check: jinja_guard_stop_all), so that a long one -- a
+// timeout=None loop -- does not hold the exit up. Never given back, unless the interpreter is
+// initialized again in this process (the module's init, hold_renders_at_exit).
 bool held_at_exit = false;
 
 void hold_renders_now() {
+    jinja_guard_stop_all(true);
     pthread_rwlock_wrlock(&fork_lock());
     held_at_exit = true;
 }
@@ -75,6 +78,7 @@ void hold_renders_at_exit() {
     if (held_at_exit) {  // a new interpreter after Py_FinalizeEx (the same thread, the same lock)
         held_at_exit = false;
         pthread_rwlock_unlock(&fork_lock());
+        jinja_guard_stop_all(false);
     }
     // (a full table of Py_AtExit's 32 functions: the C library's, later than the statics made so far)
     if (Py_AtExit(hold_renders_now) != 0) {

@@ -1,5 +1,6 @@
 #include "jinja_guard.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>
@@ -90,7 +91,13 @@ void compute_stack_bounds(guard_state & g) {  // (once per thread: the thread cl
     throw std::runtime_error(what);
 }
 
+// set at interpreter exit (gil.cpp): every execution stops at its next time check
+std::atomic<bool> stopping{false};
+
 void check_time() {
+    if (stopping.load(std::memory_order_relaxed)) {
+        fire("template execution stopped: the interpreter is exiting");
+    }
     if (clock::now() > current().deadline) {
         char buf[64];
         snprintf(buf, sizeof(buf), "%g", current().budget_seconds);
@@ -120,6 +127,8 @@ jinja_budget::~jinja_budget() {
 }
 
 uint64_t jinja_guard_fired() { return current().fired; }
+
+void jinja_guard_stop_all(bool stop) noexcept { stopping.store(stop, std::memory_order_relaxed); }
 
 std::string jinja_guard_last_message() { return last_fired; }
 

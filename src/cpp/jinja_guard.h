@@ -47,6 +47,11 @@ class jinja_budget {
 // (e.g. a cached template analysis, whose renders llama.cpp try/catches) are not reused
 uint64_t jinja_guard_fired();
 
+// true: every execution in progress, on any thread, stops at its next time check (as when its
+// time budget is exceeded) and every later one at its first -- at interpreter exit (gil.cpp),
+// so that the exit waits for no render longer than that; false: as before
+void jinja_guard_stop_all(bool stop) noexcept;
+
 // the message of the last guard that fired on this thread ("" if none): for a caller that gets
 // only a copy of the exception sliced to std::exception (common_chat_templates_init's rethrow)
 std::string jinja_guard_last_message();
