@@ -859,10 +859,7 @@ inline lists & own_lists() {
     return l;
 }
 inline lists & local() {  // found through the thread pointer once claimed (llamaprompt's thread_slots.h)
-    if (lists * l = llamaprompt::thread_slots<lists>::find()) {
-        return *l;
-    }
-    return own_lists();
+    return llamaprompt::thread_slots<lists>::get<own_lists>();
 }
 struct reaper {  // frees the thread's blocks when the thread ends
     ~reaper() {

@@ -32,15 +32,11 @@ struct guard_state {
     size_t work = 0;  // jinja_guard_work's bytes since its last clock check
 };
 thread_local guard_state own_state;
+guard_state & own() noexcept { return own_state; }
 
 // the thread's state: found through the thread pointer once the thread has claimed its slot
 // (thread_slots.h: no __tls_get_addr call per statement), else its thread-local
-guard_state & current() noexcept {
-    if (guard_state * g = thread_slots<guard_state>::find()) {
-        return *g;
-    }
-    return own_state;
-}
+guard_state & current() noexcept { return thread_slots<guard_state>::get<own>(); }
 
 struct slot_release {  // gives the thread's slot back when the thread ends
     ~slot_release() { thread_slots<guard_state>::release(); }

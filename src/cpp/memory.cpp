@@ -61,12 +61,7 @@ lists & own_lists() noexcept {
 
 // the thread's lists: found through the thread pointer once the thread has claimed its slot
 // (thread_slots.h: no __tls_get_addr call on the hot paths), else its thread-local
-inline lists & local() noexcept {
-    if (lists * l = llamaprompt::thread_slots<lists>::find()) {
-        return *l;
-    }
-    return own_lists();
-}
+inline lists & local() noexcept { return llamaprompt::thread_slots<lists>::get<own_lists>(); }
 
 constexpr std::size_t capacity(std::size_t k) { return 16 * k + 8; }
 

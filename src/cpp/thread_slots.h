@@ -54,6 +54,15 @@ template <class T> class thread_slots {
         return nullptr;
     }
 
+    // the calling thread's object: the one it claimed a slot for, else own()'s (its thread-local,
+    // reached with a __tls_get_addr call: before its claim, after its release, on a collision)
+    template <auto own> static T & get() noexcept(noexcept(own())) {
+        if (T * object = find()) {
+            return *object;
+        }
+        return own();
+    }
+
     // the calling thread's object from now on, if its slot is free (once per thread, before any
     // find() should see it; the object must outlive the thread's release())
     static void claim(T * object) noexcept {
