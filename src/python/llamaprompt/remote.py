@@ -225,7 +225,8 @@ class RemoteCore:
         if self._at_exit and threading.current_thread().daemon:
             raise _Abandoned
 
-    def _receive(self, timeout: float | None = None) -> tuple[str, Any]:
+    def _receive(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """The worker's next answer: (status, value, log records); at start (status, info)."""
         try:
             ready = timeout is None or self._conn.poll(timeout)
         except (OSError, ValueError):  # the pipe was closed (close(), at exit)
