@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -224,3 +225,34 @@ def test_a_failing_handler_of_the_workers_notice_is_unraisable(caplog):
         log.removeHandler(handler)
     assert prompt == want  # the call's result, not the handler's error
     assert seen == [(RuntimeError, "llamaprompt notices")]
+
+
+def test_a_handler_of_the_workers_records_may_call_the_template_again():
+    # the records are logged while the call holds the object's lock (the answer read in full):
+    # a handler that renders with the same object must not wait for that lock for ever
+    source = template_path("google-gemma-2-2b-it.jinja").read_text()
+    rendered = []
+
+    class Again(logging.Handler):
+        def emit(self, record):
+            if not rendered:
+                rendered.append(u.apply_template(REQ))
+
+    log = logging.getLogger("llamaprompt")
+    handler = Again()
+    log.addHandler(handler)
+    u = UntrustedTemplate(source)
+    try:
+        done = []
+        thread = threading.Thread(
+            target=lambda: done.append(u.apply_template({**REQ, "enable_thinking": False})), daemon=True
+        )
+        thread.start()
+        thread.join(20)
+        if thread.is_alive():
+            u._proc.kill()  # (close() would wait for the lock too)
+            pytest.fail("the handler's call waited for the lock")
+        u.close()
+        assert done == rendered == [llamaprompt.ChatTemplate(source).apply_template(REQ)]
+    finally:
+        log.removeHandler(handler)

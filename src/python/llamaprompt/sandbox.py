@@ -81,7 +81,9 @@ class _Records(logging.Handler):
         """The records so far (cleared); ``levels`` set for the next call's."""
         out, self.records = self.records, []
         for name, level in zip(_LOGGERS, levels):
-            logging.getLogger(name).setLevel(level)
+            log = logging.getLogger(name)
+            if log.level != level:  # (setLevel clears every logger's cache)
+                log.setLevel(level)
         return out
 
 
@@ -332,7 +334,9 @@ class UntrustedTemplate:
         self._timeout = float(timeout)
         self._max_output = int(max_output_bytes)
         self._max_memory = max_memory_bytes
-        self._lock = threading.Lock()
+        # reentrant: the worker's log records are logged while it is held (the answer already
+        # read in full), and a logging handler may call this object again
+        self._lock = threading.RLock()
         self._pid = os.getpid()  # the process whose worker this is
         self._proc: Any = None
         self._conn: Any = None
@@ -345,7 +349,7 @@ class UntrustedTemplate:
         if self._conn is not None:
             self._conn.close()  # the child's copies of the descriptors only
         self._proc = self._conn = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._pid = os.getpid()
 
     # -- the worker -----------------------------------------------------------------------
