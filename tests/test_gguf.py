@@ -5,6 +5,8 @@ GGUF files written here with the gguf package (llama.cpp's own writer)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -342,3 +344,53 @@ def test_more_vocab_conditions_llama_cpp_asserts_raise_instead(tmp_path):
         assert t.tokenize("hello", add_special=False).size > 0
         with pytest.raises(llamaprompt.GGUFError, match="BOS|SEP"):
             t.tokenize("hello", add_special=True)
+
+
+# Loads RWKV vocabs (their token texts escaped as llama.cpp's RWKV tokenizer reads them) in a
+# process of its own, with 2 GiB of address space: a load or tokenize that never returns (it
+# appends token 0 until memory runs out) ends there, not in the test run
+RWKV_VOCABS = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+import llamaprompt
+out = {}
+for name, path in json.loads(sys.argv[1]).items():
+    try:
+        out[name] = llamaprompt.ChatTemplate.from_gguf(path).tokenize("ab\n\na").tolist()
+    except llamaprompt.GGUFError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_rwkv_vocab_whose_tokenizer_never_returns_raises(tmp_path):
+    # llm_tokenizer_rwkv_session::tokenize, at a byte that begins a token but is no token alone,
+    # finds no token, goes back to where the last one ended and loops for ever; loading tokenizes
+    # "\n", so a vocab with "\n\n" and no "\n" never loaded
+    src = vocab_gguf(SPM)
+    S, A = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+    vocabs = {
+        "ok": ["a", "b", "ab", "\\n", "\\n\\n"],  # the longest match: "ab", "\n\n", "a"
+        "hex": ["\\x61b", "\\x61", "b", "\\n"],  # \x61 is "a": "ab", "\n", "\n", "a"
+        "ab": ["ab", "b"],  # tokenize("a") never returned
+        "newline": ["a", "\\n\\n"],  # the load never returned
+        "hex-ab": ["\\x61b", "b"],
+    }
+    paths = {}
+    for name, tokens in vocabs.items():
+        paths[name] = str(tmp_path / f"{name}.gguf")
+        reader = gguf.GGUFReader(src, "r")
+        writer = gguf.GGUFWriter(paths[name], arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+        changes = {
+            "tokenizer.ggml.model": MetadataDetails(S, "rwkv"),
+            "tokenizer.ggml.tokens": MetadataDetails(A, tokens, sub_type=S),
+        }
+        copy_with_new_metadata(reader, writer, changes, ["tokenizer.ggml.scores", "tokenizer.ggml.token_type"])
+    proc = subprocess.run(
+        [sys.executable, "-c", RWKV_VOCABS, json.dumps(paths)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["ok"] == [2, 4, 0] and out["hex"] == [0, 3, 3, 1]
+    for name, byte in (("ab", "0x61"), ("newline", "0x0a"), ("hex-ab", "0x61")):
+        assert "RWKV" in out[name] and f"byte {byte} but no token of that byte alone" in out[name], out[name]

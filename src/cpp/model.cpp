@@ -13,6 +13,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <bitset>
 #include <cstdio>
 #include <deque>
 #include <memory>
@@ -54,8 +55,39 @@ void check_file(const std::string & path) {
     std::fclose(f);
 }
 
-// Conditions llama.cpp asserts (GGML_ASSERT aborts the process) while it loads a vocab,
-// checked first on the file's metadata so that a bad file raises instead.
+// A token's bytes as llama.cpp's RWKV tokenizer reads its text (llama_unescape_rwkv_token, restated:
+// \t \n \r, \xHH with its digits read as that function reads them, \c for any other c)
+std::string rwkv_token_bytes(std::string_view text) {
+    std::string out;
+    bool escaping = false;
+    unsigned hex_remaining = 0;
+    uint8_t hex = 0;
+    for (const char c : text) {
+        if (hex_remaining != 0) {
+            hex = uint8_t((hex << 4) + uint8_t(c >= 'a' ? c - 'a' + 10 : c - '0'));
+            if (--hex_remaining == 0) {
+                out += char(hex);
+                hex = 0;
+            }
+        } else if (escaping) {
+            if (c == 'x') {
+                hex_remaining = 2;
+            } else {
+                out += c == 't' ? '\t' : c == 'n' ? '\n' : c == 'r' ? '\r' : c;
+            }
+            escaping = false;
+        } else if (c == '\\') {
+            escaping = true;
+        } else {
+            out += c;
+        }
+    }
+    return out;
+}
+
+// Conditions llama.cpp asserts (GGML_ASSERT aborts the process) while it loads a vocab, or under
+// which its tokenizer never returns, checked first on the file's metadata so that a bad file
+// raises instead.
 void check_vocab_metadata(const std::string & path) {
     gguf_init_params params = {/* no_alloc */ true, /* ctx */ nullptr};
     gguf_context * ctx = gguf_init_from_file(path.c_str(), params);
@@ -81,6 +113,11 @@ void check_vocab_metadata(const std::string & path) {
         std::unordered_set<std::string_view> seen;
         std::deque<std::string> placeholders;
         seen.reserve(n);
+        // llm_tokenizer_rwkv_session::tokenize: at a byte that begins a token but is no token alone
+        // it finds no token, goes back to where the last one ended and loops for ever (appending
+        // token 0 until memory runs out) -- loading tokenizes "\n" too
+        const bool rwkv = tokenizer_model == "rwkv";
+        std::bitset<256> begins_token, is_token;
         for (size_t i = 0; i < n && problem.empty(); i++) {
             std::string_view text = gguf_get_arr_str(ctx, key, i);
             if (bpe_text && text.size() > max_bpe_token_bytes) {
@@ -96,6 +133,22 @@ void check_vocab_metadata(const std::string & path) {
             if (!seen.insert(text).second) {
                 problem = "tokenizer.ggml.tokens holds the same token text twice (token " + std::to_string(i) +
                           ", empty texts counting as [EMPTY_<id>]); llama.cpp requires unique token texts";
+            }
+            if (rwkv) {
+                const std::string bytes = rwkv_token_bytes(text);
+                if (!bytes.empty()) {
+                    begins_token.set(uint8_t(bytes[0]));
+                    is_token[uint8_t(bytes[0])] = is_token[uint8_t(bytes[0])] || bytes.size() == 1;
+                }
+            }
+        }
+        for (unsigned b = 0; rwkv && problem.empty() && b < 256; b++) {
+            if (begins_token[b] && !is_token[b]) {
+                char hex[8];
+                std::snprintf(hex, sizeof(hex), "0x%02x", b);
+                problem = std::string("this RWKV vocab has tokens that begin with the byte ") + hex +
+                          " but no token of that byte alone: llama.cpp's RWKV tokenizer never returns on text "
+                          "with that byte (it loops, appending token 0)";
             }
         }
     }
