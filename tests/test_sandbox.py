@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -256,3 +258,42 @@ def test_a_handler_of_the_workers_records_may_call_the_template_again():
         assert done == rendered == [llamaprompt.ChatTemplate(source).apply_template(REQ)]
     finally:
         log.removeHandler(handler)
+
+
+EXIT_DURING_A_SANDBOXED_CALL = r"""
+import threading, time
+from llamaprompt.sandbox import UntrustedTemplate
+loop = (
+    "{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}ok"
+)
+u = UntrustedTemplate(loop, timeout=3600)
+threading.Thread(
+    target=lambda: u.apply_template({"messages": [{"role": "user", "content": "loop"}]}), daemon=True
+).start()
+time.sleep(1)
+print(u._proc.pid, flush=True)
+"""
+
+
+def test_the_worker_of_a_call_in_progress_is_stopped_at_exit(tmp_path):
+    # a daemon thread's call was left running in its worker, an orphan, for as long as its work
+    # took (here the budget is an hour). (stderr to a file: the worker inherits it, and a pipe
+    # would stay open for as long as the worker runs)
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.run(
+            [sys.executable, "-c", EXIT_DURING_A_SANDBOXED_CALL], stdout=subprocess.PIPE, stderr=err, text=True,
+            timeout=120,
+        )
+        err.seek(0)
+        assert proc.returncode == 0, err.read()[-2000:]
+    pid = int(proc.stdout)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"the worker {pid} outlived its caller")

@@ -23,6 +23,7 @@ call returns or raises (a new worker after a crash warns again what the old one 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -262,6 +264,25 @@ def _worker_entry() -> None:
     _worker_main(conn, build, max_memory, max_output, levels)
 
 
+# the objects whose workers are stopped at interpreter exit (_stop_workers)
+_LIVE: weakref.WeakSet[UntrustedTemplate] = weakref.WeakSet()
+
+
+def _stop_workers() -> None:
+    """At interpreter exit: kill every worker of this process. A daemon thread's call may still be
+    waiting for one (its answer would never be read: the template ran on, an orphan, for as long
+    as its work took -- a parser generation is not under the time budget). No lock is taken: that
+    thread may hold it."""
+    for template in list(_LIVE):
+        proc = template._proc
+        if proc is not None and template._pid == os.getpid():
+            with contextlib.suppress(OSError):
+                proc.kill()
+
+
+atexit.register(_stop_workers)
+
+
 class UntrustedTemplate:
     """A chat template run in a worker process with wall-time, memory and output budgets.
 
@@ -280,7 +301,8 @@ class UntrustedTemplate:
     arrives, on the loggers of the same names, at the levels enabled here). The ChatParams
     from ``apply()`` carry no parser binding (parse them with a trusted ChatTemplate). Raises
     TemplateError when a budget is exceeded or the worker crashes; the object stays usable (a
-    new worker is started on the next call). Calls from several threads are serialized.
+    new worker is started on the next call). Calls from several threads are serialized. Workers
+    are stopped at interpreter exit (a daemon thread's call in progress included).
     """
 
     def __init__(
@@ -340,6 +362,7 @@ class UntrustedTemplate:
         self._pid = os.getpid()  # the process whose worker this is
         self._proc: Any = None
         self._conn: Any = None
+        _LIVE.add(self)
         with self._lock:
             self._info = self._start()
 
