@@ -65,11 +65,13 @@ SELF = "{% set l = [1] %}{% set _ = l.append(l) %}"
 def test_a_value_nested_in_itself_raises_instead_of_crashing(body):
     # llama.cpp's recursions over values (printing, tojson, repr, the load-time probes' usage
     # marks) pass through the stack guard: a TemplateError, at load (the probes render it too)
-    # or at the request that reaches it
-    with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
+    # or at the request that reaches it. With an indent, the output (quadratic in the depth) reaches
+    # the size budget first: it is checked before each level's indentation is written
+    guard = "nested too deeply|size budget" if "indent" in body else "nested too deeply"
+    with pytest.raises(llamaprompt.TemplateError, match=guard):
         llamaprompt.ChatTemplate(body, timeout=None).apply_template(HI)
     t = llamaprompt.ChatTemplate(_trap(body), timeout=None)
-    with pytest.raises(llamaprompt.TemplateError, match="nested too deeply"):
+    with pytest.raises(llamaprompt.TemplateError, match=guard):
         t.apply_template(_on("trap"))
     assert t.apply_template(HI) == "hi"
 
@@ -495,11 +497,58 @@ def test_builtins_that_take_the_guards_keep_their_results():
     t = llamaprompt.ChatTemplate(
         "{{ [1, 2, 3, 4, 5][::-2]|tojson }}|{{ [1, 2, 3][::-9223372036854775807 - 1]|tojson }}|{{ 'abcdef'[1:5:2] }}|"
         "{{ 'a\nb\n\nc'|indent(2, first=true, blank=true) }}|{{ 'a\nb'|indent('> ') }}|"
-        "{{ 'a,b,,c'.split(',')|tojson }}|{{ 'a b c'.split(' ', 1)|tojson }}|{{ 'a,b,,c'.rsplit(',', 1)|tojson }}"
+        "{{ 'a,b,,c'.split(',')|tojson }}|{{ 'a b c'.split(' ', 1)|tojson }}|{{ 'a,b,,c'.rsplit(',', 1)|tojson }}|"
+        "{{ {'a': [1, {'b': 2}]}|tojson(indent=2) }}"
     )
     assert t.apply_template(HI) == (
-        '[5, 3, 1]|[3]|bd|  a\n  b\n  \n  c|a\n> b|["a", "b", "", "c"]|["a", "b c"]|["a,b,", "c"]'
+        '[5, 3, 1]|[3]|bd|  a\n  b\n  \n  c|a\n> b|["a", "b", "", "c"]|["a", "b c"]|["a,b,", "c"]|'
+        + json.dumps({"a": [1, {"b": 2}]}, indent=2)
     )
+
+
+def test_tojson_with_a_huge_indent_stops_before_writing_it():
+    # tojson(indent=N) writes N spaces per level on each line and its result was measured only once
+    # built: indent=10**8 took 11 GB and minutes past a 2 s budget before the size budget fired. The
+    # guard now counts the output so far plus the indentation of the next lines before writing them
+    # (here 3*10**7 for the list's items, then 6*10**7 for their keys: over 64 MiB)
+    t = llamaprompt.ChatTemplate(_trap("{{ messages|tojson(indent=30000000)|length }}"), timeout=None)
+    with pytest.raises(llamaprompt.TemplateError, match=r"size budget \(a value of at least 9\d{7} bytes"):
+        t.apply_template(_on("trap"))
+    assert t.apply_template(HI) == "hi"
+
+
+def _patterned(count: int) -> dict:
+    """An object schema of `count` string properties, each with a regex pattern."""
+    prop = {"type": "string", "pattern": "^[a-z]+(x|y)*$"}
+    return {"type": "object", "properties": {f"p{j}": prop for j in range(count)}}
+
+
+def _tools(n: int, properties: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": _patterned(properties)}} for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": _tools(400, 20)},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {
+            "type": "object", "properties": {f"t{i}": _patterned(20) for i in range(200)}}}}},
+    ],
+    ids=["tools", "response_format"],
+)
+def test_grammar_generation_stops_at_the_time_budget(extra):
+    # llama.cpp's conversion of JSON schemas to grammar rules copies every rule so far for each
+    # pattern it converts (to revert them if the pattern is unsupported): 4000 patterned properties
+    # ran ~50 s past any `timeout=` (a fresh user's report: `serve` spent 47 s on one 225 KiB POST)
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    t0 = time.monotonic()
+    with pytest.raises(llamaprompt.TemplateError, match=r"grammar generation exceeded the time budget \(0.5 s\)") as e:
+        t.apply({"messages": [{"role": "user", "content": "hi"}], **extra}, timeout=0.5)
+    assert time.monotonic() - t0 < 20
+    assert e.value.status == 500
+    # a few patterns are converted as before: the pattern's character class is in the grammar
+    few = t.apply({"messages": [{"role": "user", "content": "hi"}], "tools": _tools(2, 2)}, timeout=0.5)
+    assert "[a-z]" in few.grammar
 
 
 @pytest.mark.parametrize(("method", "content"), [("split", "," * 2_000_000), ("rsplit", "," * 30_000_000)])

@@ -350,6 +350,11 @@ VALUE_RECURSION_GUARD = ("    ::llamaprompt::jinja_guard_step();"
 JSON_OF_VALUE = ("static void value_to_json_internal(std::ostringstream & oss, const value & val, int curr_lvl, "
                  "int indent, const std::string_view item_sep, const std::string_view key_sep) {\n")
 REPR_OF_VALUE = "std::string value_to_string_repr(const value & val) {\n"
+SCHEMA_ADD_RULE = "    std::string _add_rule(const std::string & name, const std::string & rule) {\n"
+SCHEMA_VISIT_PATTERN = "    std::string _visit_pattern(const std::string & pattern, const std::string & name) {\n"
+SCHEMA_GUARD = "        llamaprompt_schema_step();  // llamaprompt: the call's time budget\n"
+TOJSON_INDENT_GUARD = ("    llamaprompt_json_indent_guard(oss, curr_lvl, indent);"
+                       "  // llamaprompt: the size budget, before the indentation is written\n")
 MARK_USED = "void value_t::stats_t::mark_used(value & val, bool deep) {\n"  # the capability probes' usage marks
 OUTPUT_OF_VALUE = "static void gather_string_parts_recursive(const value & val, value_string & parts) {\n"
 # destroying a value released its elements recursively (each shared_ptr's last release runs the
@@ -669,6 +674,12 @@ REWRITES = [
         Edit(JSON_OF_VALUE, JSON_OF_VALUE + VALUE_RECURSION_GUARD,
              requires=("common/jinja/value.cpp", "value_to_json_internal("),
              lost="a value nested in itself overflows the stack in tojson (the process dies)"),
+        # tojson(indent=N): the size budget on the output so far plus the indentation of the
+        # value's lines, before they are written (indent=10**8 wrote 100 MB per line, 11 GB and
+        # minutes before the result's own size check)
+        Edit(JSON_OF_VALUE + VALUE_RECURSION_GUARD, JSON_OF_VALUE + VALUE_RECURSION_GUARD + TOJSON_INDENT_GUARD,
+             requires=("common/jinja/value.cpp", "value_to_json_internal("),
+             lost="tojson(indent=N) with a huge N runs past the time and size budgets (GBs of memory)"),
         Edit(REPR_OF_VALUE, REPR_OF_VALUE + VALUE_RECURSION_GUARD,
              requires=("common/jinja/value.cpp", "value_to_string_repr("),
              lost="a value nested in itself overflows the stack when printed (the process dies)"),
@@ -710,6 +721,16 @@ REWRITES = [
     Rewrite("common/json-schema-to-grammar.cpp", "json-schema-to-grammar.cpp", [
         Edit('fprintf(stderr, "WARNING: JSON schema conversion was incomplete',
              'llamaprompt_log_warning(stderr, "WARNING: JSON schema conversion was incomplete'),
+        # the call's time budget (jinja_guard.h) at each rule added and each pattern converted: a
+        # pattern's conversion copies every rule so far (to revert them if the pattern is not
+        # supported), so tools or a response_format with thousands of patterned properties took
+        # minutes, past any `timeout=`
+        Edit(SCHEMA_ADD_RULE, SCHEMA_ADD_RULE + SCHEMA_GUARD,
+             requires=("common/json-schema-to-grammar.cpp", "std::string _add_rule("),
+             lost="grammar generation for JSON schemas is not under the time budget"),
+        Edit(SCHEMA_VISIT_PATTERN, SCHEMA_VISIT_PATTERN + SCHEMA_GUARD,
+             requires=("common/json-schema-to-grammar.cpp", "std::string _visit_pattern("),
+             lost="grammar generation for JSON schemas' patterns is not under the time budget"),
     ]),
     # no config.ini files applied to a library call (src/cpp/shim_arg.cpp)
     Rewrite("common/arg.cpp", "arg.cpp", [

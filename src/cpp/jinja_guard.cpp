@@ -90,14 +90,15 @@ void compute_stack_bounds(guard_state & g) {  // (once per thread: the thread cl
 // set at interpreter exit (gil.cpp): every execution stops at its next time check
 std::atomic<bool> stopping{false};
 
-void check_time() {
+// `activity`: what the message names ("template execution", "grammar generation")
+void check_time(const char * activity = "template execution") {
     if (stopping.load(std::memory_order_relaxed)) {
-        fire("template execution stopped: the interpreter is exiting");
+        fire(std::string(activity) + " stopped: the interpreter is exiting");
     }
     if (clock::now() > current().deadline) {
         char buf[64];
         snprintf(buf, sizeof(buf), "%g", current().budget_seconds);
-        fire(std::string("template execution exceeded the time budget (") + buf + " s)");
+        fire(std::string(activity) + " exceeded the time budget (" + buf + " s)");
     }
 }
 
@@ -157,6 +158,16 @@ void jinja_guard_step() {
 void jinja_guard_tick() {
     if ((++current().steps & 4095) == 0) {
         check_time();
+    }
+}
+
+void jinja_guard_time(const char * activity) { check_time(activity); }
+
+void jinja_guard_bytes(size_t bytes) {
+    const size_t max_bytes = current().max_bytes;
+    if (max_bytes != 0 && bytes > max_bytes) {
+        fire("template execution exceeded the size budget (a value of at least " + std::to_string(bytes) +
+             " bytes > " + std::to_string(max_bytes) + " bytes)");
     }
 }
 

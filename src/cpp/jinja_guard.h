@@ -11,7 +11,7 @@
 // jinja_budget for the duration of one llamaprompt call:
 // - stack: execution stops when the thread has used half of its stack;
 // - time: execution stops once `seconds` have passed (checked every 64 steps and at each
-//   size check);
+//   size check), and so does llama.cpp's grammar generation for the call's JSON schemas;
 // - size: a string repetition or concatenation, or a range(), may not build a value of
 //   more than `max_bytes`.
 // Output that many statements emit is bounded only by the time budget; memory is bounded
@@ -66,6 +66,13 @@ void jinja_guard_tick();
 // work of about `bytes` done in one step (a copy, a move of a string's rest): time, checked once
 // ~1 MiB of such work has accumulated (split() moves the rest of its string once per piece)
 void jinja_guard_work(size_t bytes);
+// time alone, for work outside the Jinja engine under the same budget (llama.cpp's conversion of
+// tool and response_format JSON schemas to grammar rules: shim_json_schema.cpp); `activity` names
+// it in the message ("grammar generation exceeded the time budget (2 s)")
+void jinja_guard_time(const char * activity);
+// size alone, before a value of at least `bytes` is built (tojson's output so far and the
+// indentation it is about to write): no clock read
+void jinja_guard_bytes(size_t bytes);
 // `s * n`, `a ~ b`: time, and the size the result would reach (its bytes, and its
 // parts -- llama.cpp's strings are lists of parts of ~40 bytes each plus their text)
 void jinja_guard_size(size_t bytes, size_t parts);

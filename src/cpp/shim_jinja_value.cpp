@@ -6,6 +6,8 @@
 #include "jinja/value.h"
 #include "jinja_guard.h"
 
+#include <sstream>
+
 // one more element of a list being built (it holds n, of element_bytes each): the time guard,
 // and every 4096 elements the size guard
 static void llamaprompt_element_step(size_t n, size_t element_bytes) {
@@ -48,6 +50,16 @@ static const std::string & llamaprompt_sized(size_t current, const std::string &
 static size_t llamaprompt_sized(size_t current, size_t bytes) {
     llamaprompt::jinja_guard_size(current + bytes, 0);
     return bytes;
+}
+
+// tojson's value_to_json_internal, at each value: with indent > 0, the size guard on the output so
+// far plus the indentation of the value's own lines (`indent` per level), before it is written
+static void llamaprompt_json_indent_guard(std::ostringstream & oss, int curr_lvl, int indent) {
+    if (indent > 0) {
+        const std::streamoff at = oss.tellp();
+        llamaprompt::jinja_guard_bytes(static_cast<size_t>(at > 0 ? at : 0) +
+                                       static_cast<size_t>(indent) * (static_cast<size_t>(curr_lvl > 0 ? curr_lvl : 0) + 1));
+    }
 }
 
 #include "thread_safe_time.h"

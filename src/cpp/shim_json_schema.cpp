@@ -1,7 +1,9 @@
 // common/json-schema-to-grammar.cpp, compiled from the build tree's copy (see CMakeLists.txt)
 // in which the one message it prints straight to stderr (an incomplete schema conversion)
 // goes to llama.cpp's log instead, and from there to Python's logging ("llamaprompt.llama_cpp")
-// like every other llama.cpp message. The archive's copy of this object is then never linked.
+// like every other llama.cpp message, and in which each rule added and each pattern converted
+// checks the call's time budget. The archive's copy of this object is then never linked.
+#include "jinja_guard.h"
 #include "logging.h"
 
 #include <cstdarg>
@@ -18,5 +20,9 @@ static void llamaprompt_log_warning(FILE * /*stderr*/, const char * fmt, ...) {
         llamaprompt::log_warning(buf);
     }
 }
+
+// each rule added and each pattern converted: the call's time budget (jinja_guard.h), which
+// covers its grammar generation as it covers its template executions
+static void llamaprompt_schema_step() { llamaprompt::jinja_guard_time("grammar generation"); }
 
 #include "json-schema-to-grammar.cpp"  // the generated copy

@@ -271,7 +271,7 @@ _LIVE: weakref.WeakSet[UntrustedTemplate] = weakref.WeakSet()
 def _stop_workers() -> None:
     """At interpreter exit: kill every worker of this process. A daemon thread's call may still be
     waiting for one (its answer would never be read: the template ran on, an orphan, for as long
-    as its work took -- a parser generation is not under the time budget). No lock is taken: that
+    as its work took -- an hour, with an hour's budget). No lock is taken: that
     thread may hold it."""
     for template in list(_LIVE):
         proc = template._proc

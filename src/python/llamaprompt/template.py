@@ -164,9 +164,11 @@ class ChatTemplate:
             theoretical limits); ``False`` runs the unmodified upstream sequence on every
             call.
         timeout: wall-time budget in seconds of the template executions of one call
-            (loading included); ``None``: none. llama.cpp's Jinja engine has no limit;
+            (loading included) and of its grammar generation for tool and ``response_format``
+            JSON schemas; ``None``: none. llama.cpp's Jinja engine has no limit;
             llamaprompt checks the clock every 64 execution steps, in ``range()`` and
-            ``slice()`` and as ``split()`` and ``rsplit()`` work, and raises TemplateError when it has passed.
+            ``slice()``, as ``split()`` and ``rsplit()`` work and at each grammar rule, and
+            raises TemplateError when it has passed.
             Also on by default: a template that recurses until half of the thread's stack (at
             most 8 MiB; a thread with less than 1 MiB left has its calls run on one with 8 MiB)
             is used raises TemplateError instead of crashing the process. Other single built-in
