@@ -47,7 +47,8 @@ from fuzz_corpus import mutate_template, random_edits  # noqa: E402
 SEED = 20261202
 # llamaprompt's execution-budget messages whose point of firing depends on speed or frame sizes
 # (src/cpp/jinja_guard.cpp); the size budget is deterministic and compared as it is
-BUDGET_MARKS = ("template execution exceeded the time budget", "template nested too deeply")
+# (the time budget also stops grammar generation: "grammar generation exceeded the time budget")
+BUDGET_MARKS = ("exceeded the time budget", "template nested too deeply")
 TIME_MARK, SIZE_MARK = BUDGET_MARKS[0], "template execution exceeded the size budget"
 
 
@@ -87,10 +88,23 @@ def _content(rng: random.Random) -> Any:
     return None if r < 0.9 else ""
 
 
+# regex patterns for string properties (llama.cpp converts them to grammar rules): supported, and
+# unsupported (the property then accepts any string) or invalid (an error) after the conversion
+# added rules (`.`: the rule `dot`; a repeated group: a rule of its own) -- which it takes back
+PATTERNS = ["^[a-z]+$", "^\\d{2,3}-.+$", "^.*$", "^(x|y)+z?$", "^.{1,4}$", "[a-z]+", "^(x|y)+\\Q$",
+            "^a.b(?=c)$", "^x.{2,3}(?<n>y)$", "^(ab){2,3}\\Q$", "^[a-z]{2}.\\b$", "^(a.){2}\\Q$",
+            "^[a-z]+(ab)*[$", "^a.(b$"]
+
+
+def _property(rng: random.Random) -> dict[str, Any]:
+    prop: dict[str, Any] = {"type": rng.choice(["string", "integer", "boolean", "number"])}
+    if prop["type"] == "string" and rng.random() < 0.5:
+        prop["pattern"] = rng.choice(PATTERNS)
+    return prop
+
+
 def _tool(rng: random.Random, i: int) -> dict[str, Any]:
-    props = {
-        f"p{j}": {"type": rng.choice(["string", "integer", "boolean", "number"])} for j in range(rng.randint(0, 3))
-    }
+    props = {f"p{j}": _property(rng) for j in range(rng.randint(0, 3))}
     return {
         "type": "function",
         "function": {
@@ -108,7 +122,8 @@ def _call(rng: random.Random, i: int) -> dict[str, Any]:
 
 def generated_requests(n: int, seed: int = SEED) -> dict[str, dict[str, Any]]:
     """``n`` chat requests drawn from a seeded generator: roles, string and typed content,
-    tool calls and results, reasoning, tools, and the request flags llama-server reads."""
+    tool calls and results, reasoning, tools (string properties with regex patterns among them),
+    a ``response_format`` schema, and the request flags llama-server reads."""
     rng = random.Random(seed)
     out = {}
     for k in range(n):
@@ -144,6 +159,9 @@ def generated_requests(n: int, seed: int = SEED) -> dict[str, dict[str, Any]]:
             req["reasoning_effort"] = rng.choice(["low", "medium", "high"])
         if rng.random() < 0.1:
             req["response_format"] = {"type": "json_object"}
+        elif rng.random() < 0.05:
+            schema = {"type": "object", "properties": {f"r{j}": _property(rng) for j in range(rng.randint(1, 4))}}
+            req["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
         out[f"generated_{k}"] = req
     return out
 

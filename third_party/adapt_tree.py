@@ -350,6 +350,55 @@ VALUE_RECURSION_GUARD = ("    ::llamaprompt::jinja_guard_step();"
 JSON_OF_VALUE = ("static void value_to_json_internal(std::ostringstream & oss, const value & val, int curr_lvl, "
                  "int indent, const std::string_view item_sep, const std::string_view key_sep) {\n")
 REPR_OF_VALUE = "std::string value_to_string_repr(const value & val) {\n"
+# json-schema-to-grammar.cpp's _visit_pattern copied the converter's whole rule table before each
+# pattern, to put it back if the pattern turns out unsupported or invalid: a schema with n
+# patterned properties copied ~n^2/2 rules (4,000 patterns: ~8 million string pairs, most of a
+# request's 5.7 s). Between the copy and a revert only _add_rule writes to the table, and it
+# either inserts a key that was missing or assigns a key the value it already holds: putting the
+# table back is erasing the keys inserted since. _add_rule's two assignments now note the keys
+# they insert while a pattern converts (llamaprompt_put_rule), and a revert erases them -- the same
+# table after, key for key and value for value (a std::map: no order of insertion to keep).
+SCHEMA_RULES_DECL = "    std::map<std::string, std::string> _rules;\n"
+SCHEMA_RULES_JOURNAL = """    // llamaprompt (a speed rewrite, see its adapt_tree.py): the keys _add_rule inserts
+    // while a pattern converts, so that a revert erases them instead of restoring a copy of
+    // every rule
+    std::vector<std::string> * llamaprompt_added = nullptr;
+    void llamaprompt_put_rule(const std::string & key, const std::string & rule) {  // _rules[key] = rule
+        auto inserted = _rules.try_emplace(key, rule);
+        if (!inserted.second) {
+            inserted.first->second = rule;
+        } else if (llamaprompt_added != nullptr) {
+            llamaprompt_added->push_back(key);
+        }
+    }
+    struct llamaprompt_rules_journal {  // the keys inserted while it lives (a journal within one passes them on)
+        common_chat_schema_converter & self;
+        std::vector<std::string> * const outer;
+        std::vector<std::string> added;
+        explicit llamaprompt_rules_journal(common_chat_schema_converter & c) : self(c), outer(c.llamaprompt_added) {
+            self.llamaprompt_added = &added;
+        }
+        ~llamaprompt_rules_journal() {
+            self.llamaprompt_added = outer;
+            if (outer != nullptr) {
+                outer->insert(outer->end(), added.begin(), added.end());
+            }
+        }
+        void revert() {  // the table as it was when the journal began
+            for (const auto & key : added) {
+                self._rules.erase(key);
+            }
+            added.clear();
+        }
+    };
+"""
+SCHEMA_SNAPSHOT = "        auto rules_snapshot = _rules;\n"
+SCHEMA_JOURNAL = ("        llamaprompt_rules_journal llamaprompt_journal(*this);"
+                  "  // llamaprompt: not a copy of every rule\n")
+SCHEMA_RESTORE = "            _rules = std::move(rules_snapshot);\n"
+SCHEMA_REVERT = "            llamaprompt_journal.revert();\n"
+SCHEMA_SNAPSHOT_SPEED = ("JSON schema patterns: a revert erases the rules the pattern added, not a copy of the "
+                         "whole rule table per pattern")
 SCHEMA_ADD_RULE = "    std::string _add_rule(const std::string & name, const std::string & rule) {\n"
 SCHEMA_VISIT_PATTERN = "    std::string _visit_pattern(const std::string & pattern, const std::string & name) {\n"
 SCHEMA_GUARD = "        llamaprompt_schema_step();  // llamaprompt: the call's time budget\n"
@@ -731,6 +780,14 @@ REWRITES = [
         Edit(SCHEMA_VISIT_PATTERN, SCHEMA_VISIT_PATTERN + SCHEMA_GUARD,
              requires=("common/json-schema-to-grammar.cpp", "std::string _visit_pattern("),
              lost="grammar generation for JSON schemas' patterns is not under the time budget"),
+        Edit(SCHEMA_RULES_DECL, SCHEMA_RULES_DECL + SCHEMA_RULES_JOURNAL, speed=SCHEMA_SNAPSHOT_SPEED,
+             group="schema_snapshot"),
+        Edit("            _rules[esc_name] = rule;\n", "            llamaprompt_put_rule(esc_name, rule);\n",
+             speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
+        Edit("        _rules[key] = rule;\n", "        llamaprompt_put_rule(key, rule);\n",
+             speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
+        Edit(SCHEMA_SNAPSHOT, SCHEMA_JOURNAL, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
+        Edit(SCHEMA_RESTORE, SCHEMA_REVERT, count=2, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
     ]),
     # no config.ini files applied to a library call (src/cpp/shim_arg.cpp)
     Rewrite("common/arg.cpp", "arg.cpp", [
