@@ -161,14 +161,19 @@ def test_a_forked_child_uses_a_worker_of_its_own():
     assert (proc.returncode, proc.stdout.split("\n")[:2]) == (0, ["child: child", "parent: parent again"]), proc.stderr
 
 
-def _logged(records) -> list[tuple[str, int, str]]:
-    return [(r.name, r.levelno, r.getMessage()) for r in records if r.name.startswith("llamaprompt")]
+def _logged(records) -> list[tuple[str, int, str, str, int, str]]:
+    return [
+        (r.name, r.levelno, r.getMessage(), r.pathname, r.lineno, r.funcName)
+        for r in records
+        if r.name.startswith("llamaprompt")
+    ]
 
 
 def test_the_workers_logs_reach_the_callers_logging(caplog, tmp_path):
     # the notices (a top-level template variable, tools a template ignores) and llama.cpp's lines
     # (a tool's schema llama.cpp cannot convert) are logged in the calling process as ChatTemplate
-    # logs them; the worker's went to its own NullHandler
+    # logs them, with the same origin (file, line, function); the worker's went to its own
+    # NullHandler, then came back as logged by sandbox._relay
     from test_gguf import SPM, _rewrite
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "^(?=a)b$"}}}
@@ -185,9 +190,9 @@ def test_the_workers_logs_reach_the_callers_logging(caplog, tmp_path):
                 t.apply(body)  # (each notice once per template)
         logged[cls] = _logged(caplog.records)
     assert logged[UntrustedTemplate] == logged[llamaprompt.ChatTemplate]
-    names = [name for name, _, _ in logged[UntrustedTemplate]]
+    names = [r[0] for r in logged[UntrustedTemplate]]
     assert names.count("llamaprompt") == 3 and "llamaprompt.llama_cpp" in names
-    assert any("supports_tools" in m for _, _, m in logged[UntrustedTemplate])
+    assert any("supports_tools" in r[2] for r in logged[UntrustedTemplate])
 
     # the load's: a GGUF without a template falls back to chatml, and llama.cpp reads the file
     path = _rewrite(vocab_gguf(SPM), tmp_path / "t.gguf", remove=["tokenizer.chat_template"])
@@ -197,13 +202,40 @@ def test_the_workers_logs_reach_the_callers_logging(caplog, tmp_path):
             cls.from_gguf(path)
         logged[cls] = _logged(caplog.records)
     assert logged[UntrustedTemplate] == logged[llamaprompt.ChatTemplate]
-    assert any(name == "llamaprompt" and "chatml" in m for name, _, m in logged[UntrustedTemplate])
+    assert any(r[0] == "llamaprompt" and "chatml" in r[2] for r in logged[UntrustedTemplate])
 
     # nothing below the caller's levels comes back (the worker logs at those levels)
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="llamaprompt"), UntrustedTemplate(sources[0]) as u:
         u.apply(body)
     assert _logged(caplog.records) == []
+
+
+def test_a_template_from_a_file_names_the_file_in_its_notices(caplog, tmp_path):
+    # ChatTemplate.from_file's notices name the file; the worker rebuilt the template from its
+    # text and named it "template <sha>" -- and so did a pickled or sibling ChatTemplate
+    import pickle
+
+    path = tmp_path / "qwen3.jinja"
+    path.write_bytes(template_path("Qwen-Qwen3-0.6B.jinja").read_bytes())
+    body = {"messages": [{"role": "user", "content": "x"}], "enable_thinking": False}
+    made = {
+        "ChatTemplate": lambda: llamaprompt.ChatTemplate.from_file(path),
+        "UntrustedTemplate": lambda: UntrustedTemplate.from_file(path),
+        "pickled": lambda: pickle.loads(pickle.dumps(llamaprompt.ChatTemplate.from_file(path))),
+        "sibling": lambda: llamaprompt.ChatTemplate.from_file(path).with_server_args("--reasoning-format", "none"),
+    }
+    for how, make in made.items():
+        t = make()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="llamaprompt"):
+            t.apply_template(body)
+        notices = [r.getMessage() for r in caplog.records if r.name == "llamaprompt"]
+        assert len(notices) == 1 and notices[0].startswith(f"{path}: "), (how, notices)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))  # (the magic is enough: it is not read as a template)
+    with pytest.raises(ValueError, match="GGUF model file"):
+        UntrustedTemplate.from_file(gguf)
 
 
 def test_a_failing_handler_of_the_workers_notice_is_unraisable(caplog):

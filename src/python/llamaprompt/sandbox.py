@@ -61,25 +61,32 @@ def _levels() -> tuple[int, ...]:
     return tuple(logging.getLogger(name).getEffectiveLevel() for name in _LOGGERS)
 
 
+# a worker's log record as it travels: logger name, level, message, and where it was logged
+# (pathname, line, function: in the worker, the same code as in-process)
+_Record = tuple[str, int, str, str, int, str]
+
+
 class _Records(logging.Handler):
     """A worker's handler on the ``llamaprompt`` logger (this module's, and another core's in
-    llamaprompt.remote): (logger name, level, message) of each record, sent back with the answer
-    to the call that logged it."""
+    llamaprompt.remote): each record (a :data:`_Record`), sent back with the answer to the call
+    that logged it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[tuple[str, int, str]] = []
+        self.records: list[_Record] = []
         top = logging.getLogger(_LOGGERS[0])
         top.addHandler(self)
         top.propagate = False  # (the worker's stderr is the parent's: nothing printed twice)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.records.append((record.name, record.levelno, record.getMessage()))
+            self.records.append(
+                (record.name, record.levelno, record.getMessage(), record.pathname, record.lineno, record.funcName)
+            )
         except Exception:  # noqa: BLE001 - a record that cannot be formatted (logging's own way)
             self.handleError(record)
 
-    def take(self, levels: tuple[int, ...]) -> list[tuple[str, int, str]]:
+    def take(self, levels: tuple[int, ...]) -> list[_Record]:
         """The records so far (cleared); ``levels`` set for the next call's."""
         out, self.records = self.records, []
         for name, level in zip(_LOGGERS, levels):
@@ -89,21 +96,32 @@ class _Records(logging.Handler):
         return out
 
 
-def _relay(records: list[tuple[str, int, str]]) -> None:
-    """Log the worker's records on this process's loggers of the same names, where enabled. A
-    failing handler of a notice is reported as unraisable (as ChatTemplate's notices are); one of
+def _relay(records: list[_Record]) -> None:
+    """Log the worker's records on this process's loggers of the same names, where enabled, with
+    the worker's origin (file, line, function: as ChatTemplate's records have them). A failing
+    handler of a notice is reported as unraisable (as ChatTemplate's notices are); one of
     llama.cpp's lines raises (as ChatTemplate's log does)."""
-    for name, level, message in records:
+    for name, level, message, pathname, lineno, func in records:
         log = logging.getLogger(name)
         if not log.isEnabledFor(level):
             continue
+        record = log.makeRecord(name, level, pathname, lineno, "%s", (message,), None, func)
         if name != _LOGGERS[0]:
-            log.log(level, "%s", message)
+            log.handle(record)
             continue
         try:
-            log.log(level, "%s", message)
+            log.handle(record)
         except Exception as e:  # noqa: BLE001
             _core.write_unraisable(e, UNRAISABLE_CONTEXT)
+
+
+def _source_parts(source: str | bytes, options: dict[str, Any]) -> tuple[Any, ...]:
+    """(source, gguf_path, tokens) for a template given as text, the token options taken out of
+    ``options``."""
+    tokens = tuple(
+        options.pop(k, d) for k, d in (("bos_token", ""), ("eos_token", ""), ("add_bos", False), ("add_eos", False))
+    )
+    return (source, None, tokens)
 
 
 def _worker_main(
@@ -134,7 +152,7 @@ def _worker_main(
             conn.send(("error", type(e).__name__, str(e), None, logs.take(levels)))
 
     try:
-        template = _restore(*build)  # (source, gguf_path, tokens, Options): the parent's template
+        template = _restore(*build)  # (source, gguf_path, tokens, Options, name): the parent's template
         info = {
             "caps": template.caps,
             "detected_caps": template.detected_caps,
@@ -314,16 +332,29 @@ class UntrustedTemplate:
         max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
         **options: Any,
     ) -> None:
-        tokens = tuple(
-            options.pop(k, d) for k, d in (("bos_token", ""), ("eos_token", ""), ("add_bos", False), ("add_eos", False))
-        )
-        self._init((source, None, tokens), options, timeout, max_output_bytes, max_memory_bytes)
+        self._init(_source_parts(source, options), options, timeout, max_output_bytes, max_memory_bytes)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], **options: Any) -> UntrustedTemplate:
-        """As ChatTemplate.from_file (the file is read here; the template runs in the worker)."""
-        with open(fspath(path), "rb") as f:
-            return cls(f.read(), **options)
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        max_memory_bytes: int | None = DEFAULT_MAX_MEMORY_BYTES,
+        **options: Any,
+    ) -> UntrustedTemplate:
+        """As ChatTemplate.from_file: the file is read here, the template runs in the worker, and
+        its notices name the file. Raises OSError when the file cannot be read, ValueError for a
+        GGUF file (use :meth:`from_gguf`), and what the constructor raises."""
+        path = fspath(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        if data[:4] == b"GGUF":
+            raise ValueError(f"{path} is a GGUF model file: use UntrustedTemplate.from_gguf(path)")
+        self = cls.__new__(cls)
+        self._init(_source_parts(data, options), options, timeout, max_output_bytes, max_memory_bytes, name=path)
+        return self
 
     @classmethod
     def from_gguf(
@@ -344,7 +375,13 @@ class UntrustedTemplate:
         return self
 
     def _init(
-        self, parts: tuple, options: dict[str, Any], timeout: float, max_output_bytes: int, max_memory_bytes: int | None
+        self,
+        parts: tuple,
+        options: dict[str, Any],
+        timeout: float,
+        max_output_bytes: int,
+        max_memory_bytes: int | None,
+        name: str | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
@@ -352,7 +389,7 @@ class UntrustedTemplate:
         # killing the worker is the backstop for what cannot be interrupted. The options are
         # checked here (the caps names by the worker's core) and rebuilt there as they are.
         opts = Options.make(None, **{**options, "timeout": float(timeout), "max_output_bytes": int(max_output_bytes)})
-        self._build = (*parts, opts)
+        self._build = (*parts, opts, name)  # _restore's arguments (name: what the notices call it)
         self._timeout = float(timeout)
         self._max_output = int(max_output_bytes)
         self._max_memory = max_memory_bytes

@@ -472,7 +472,9 @@ class ChatTemplate:
         return made
 
     def _rebuild(self, **changes: Any) -> ChatTemplate:
-        return _restore(self._input_source, self._gguf_path, self._tokens, self._opts.replace(None, **changes))
+        return _restore(
+            self._input_source, self._gguf_path, self._tokens, self._opts.replace(None, **changes), self._notices.name
+        )
 
     def describe(self) -> dict[str, Any]:
         """What llama.cpp decided for this template, as one dict: ``chat_format`` (for a
@@ -938,7 +940,7 @@ class ChatTemplate:
     # -- pickling: rebuilt from its source (or GGUF path) and options in the other process
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (self._input_source, self._gguf_path, self._tokens, self._opts))
+        return (_restore, (self._input_source, self._gguf_path, self._tokens, self._opts, self._notices.name))
 
     def __repr__(self) -> str:
         core = f", llama_cpp={self._opts.llama_cpp!r}" if self._lib is not _core else ""
@@ -973,13 +975,20 @@ def _prompt_render(
 
 
 def _restore(
-    source: str | bytes | None, gguf_path: str | None, tokens: tuple[str, str, bool, bool], opts: Options
+    source: str | bytes | None,
+    gguf_path: str | None,
+    tokens: tuple[str, str, bool, bool],
+    opts: Options,
+    name: str | None = None,
 ) -> ChatTemplate:
-    """A ChatTemplate from its parts (pickling, with_caps, the sandbox's worker)."""
+    """A ChatTemplate from its parts (pickling, with_caps, the sandbox's worker); ``name``: what
+    its notices call it once loaded (from_file's path), None: the default."""
     self = ChatTemplate.__new__(ChatTemplate)
     if gguf_path is not None:
         self._load_gguf(gguf_path, source, opts)
     else:
         assert source is not None
         self._load_source(source, tokens, opts)
+    if name is not None:
+        self._notices.name = name
     return self
