@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -602,3 +603,83 @@ def test_a_budget_stopping_the_load_says_so():
         llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), timeout=1e-6)
     assert "exceeded the time budget (1e-06 s)" in e.value.message
     assert e.value.message != "std::exception"
+
+
+def _rule_name(text: str) -> str:
+    """A grammar rule name as llama.cpp makes it from a name: each run of bytes outside
+    [a-zA-Z0-9-] becomes "-" (its regex, applied here by Python's re)."""
+    return re.sub(rb"[^a-zA-Z0-9-]+", b"-", text.encode()).decode()
+
+
+def _rules(grammar: str) -> list[str]:
+    return [line.split(" ::= ")[0] for line in grammar.splitlines() if " ::= " in line]
+
+
+def test_rule_names_from_tool_and_property_names():
+    # llamaprompt makes rule names without std::regex (src/cpp/rule_names.h): the same names
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    for name in ["a..b_-é x\x01", "-", "é", "x--y", "__a__", "a b\tc\nd"]:
+        schema = {"type": "object", "properties": {name: {"type": "string"}}}
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+        rules = _rules(t.apply({**HI, "response_format": fmt}).grammar)
+        assert f"response-format-schema-{_rule_name(name)}-kv" in rules, (name, rules)
+        tool = {"type": "function", "function": {"name": "f" + name, "parameters": {"type": "object"}}}
+        rules = _rules(t.apply({**HI, "tools": [tool]}).grammar)
+        assert f"tool-{_rule_name('f' + name)}" in rules, (name, rules)
+
+
+def test_long_names_in_tools_and_schemas_do_not_crash():
+    # libstdc++'s regex matcher recurses once per character of a match: a tool, property or $ref
+    # name of ~30,000 characters outside [a-zA-Z0-9-] overflowed the stack (SIGSEGV) when llama.cpp
+    # made its rule name (a fresh user's report). In a child process: a crash must not kill pytest
+    script = """
+import llamaprompt
+t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+long = "." * 200000 + "x"
+hi = {"messages": [{"role": "user", "content": "hi"}]}
+tool = {"type": "function", "function": {"name": long, "parameters": {"type": "object"}}}
+schema = {"type": "object", "properties": {long: {"$ref": "#/$defs/" + long}}, "$defs": {long: {"type": "integer"}}}
+fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+print("tool--x ::=" in t.apply({**hi, "tools": [tool]}).grammar,
+      "response-format-schema--x-kv ::=" in t.apply({**hi, "response_format": fmt}).grammar)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "True True"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # `^a***...$`: each `*` rebuilt the sequence's last item (quadratic: 600,000 took 45 s)
+        {"type": "object", "properties": {"p": {"type": "string", "pattern": "^a" + "*" * 600_000 + "$"}}},
+    ],
+    ids=["pattern-stars"],
+)
+def test_slow_schema_conversions_stop_at_the_time_budget(schema):
+    t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    t0 = time.monotonic()
+    with pytest.raises(llamaprompt.TemplateError, match=r"grammar generation exceeded the time budget \(0.5 s\)"):
+        t.apply({**HI, "response_format": fmt}, timeout=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_optional_properties_with_long_names_stop_at_the_time_budget():
+    # 1,024 optional properties: each suffix of them recursed through the rest, copying the names
+    # left at each level, and checked the clock only on the way back (names of 6,000 bytes: 2.5 s
+    # and 3.3 GB against a 0.5 s budget; of 10,000: 16 s and 5.3 GB against 2 s). Now each level
+    # checks it (0.75 s, 550 MB). In a child process with 2 GiB of address space
+    script = """
+import resource, llamaprompt
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+schema = {"type": "object", "properties": {"k" * 6000 + str(i): {"type": "string"} for i in range(1024)}}
+fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+try:
+    t.apply({"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}, timeout=0.5)
+except llamaprompt.Error as e:
+    print(e.message[-60:])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    expected = "grammar generation exceeded the time budget (0.5 s)"
+    assert proc.stdout.strip().endswith(expected), (proc.stdout, proc.stderr)

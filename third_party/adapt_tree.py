@@ -402,6 +402,25 @@ SCHEMA_SNAPSHOT_SPEED = ("JSON schema patterns: a revert erases the rules the pa
 SCHEMA_ADD_RULE = "    std::string _add_rule(const std::string & name, const std::string & rule) {\n"
 SCHEMA_VISIT_PATTERN = "    std::string _visit_pattern(const std::string & pattern, const std::string & name) {\n"
 SCHEMA_GUARD = "        llamaprompt_schema_step();  // llamaprompt: the call's time budget\n"
+# _pattern_to_rule's loop over the pattern's characters: `^a****...$` rebuilds the sequence's last
+# item at each `*` (quadratic: 600,000 took 45 s against a 1 s budget); every 256 characters
+SCHEMA_PATTERN_LOOP = "            while (i < length) {\n                char c = sub_pattern[i];\n"
+SCHEMA_PATTERN_TICK = ("            while (i < length) {\n                llamaprompt_schema_tick();"
+                       "  // llamaprompt: the call's time budget\n                char c = sub_pattern[i];\n")
+# the optional properties of an object: each of the n suffixes recursed n levels deep, each level
+# copying the names left (1,024 names of 10,000 bytes: 16 s past a 2 s budget, 5 GB)
+SCHEMA_RECURSIVE_REFS = ("get_recursive_refs = [&](const std::vector<std::string> & ks, bool first_is_optional) {\n"
+                         "                std::string res;\n")
+SCHEMA_RECURSIVE_REFS_STEP = SCHEMA_RECURSIVE_REFS.replace(
+    "                std::string res;\n",
+    "                llamaprompt_schema_step();  // llamaprompt: the call's time budget\n"
+    "                std::string res;\n")
+# rule names: regex_replace(name, "[^a-zA-Z0-9-]+", "-") -- libstdc++'s matcher recurses once per
+# character of a match, so a tool, property or $ref name of ~30,000 such characters overflowed the
+# stack (SIGSEGV, found by the fresh-user trial); llamaprompt_rule_chars replaces each maximal run
+# of those characters by "-" in a loop: the same text
+SCHEMA_RULE_NAME = "regex_replace(name, INVALID_RULE_CHARS_RE, \"-\")"
+SCHEMA_REF_NAME = "std::regex_replace(ref_fragment, nonalphanumeric_regex, \"-\")"
 TOJSON_INDENT_GUARD = ("    llamaprompt_json_indent_guard(oss, curr_lvl, indent);"
                        "  // llamaprompt: the size budget, before the indentation is written\n")
 MARK_USED = "void value_t::stats_t::mark_used(value & val, bool deep) {\n"  # the capability probes' usage marks
@@ -780,6 +799,18 @@ REWRITES = [
         Edit(SCHEMA_VISIT_PATTERN, SCHEMA_VISIT_PATTERN + SCHEMA_GUARD,
              requires=("common/json-schema-to-grammar.cpp", "std::string _visit_pattern("),
              lost="grammar generation for JSON schemas' patterns is not under the time budget"),
+        Edit(SCHEMA_PATTERN_LOOP, SCHEMA_PATTERN_TICK,
+             requires=("common/json-schema-to-grammar.cpp", "sub_pattern[i]"),
+             lost="a pattern's conversion (quadratic in runs of `*`) is not under the time budget"),
+        Edit(SCHEMA_RECURSIVE_REFS, SCHEMA_RECURSIVE_REFS_STEP,
+             requires=("common/json-schema-to-grammar.cpp", "get_recursive_refs"),
+             lost="an object's optional properties (cubic in their count) are not under the time budget"),
+        Edit(SCHEMA_RULE_NAME, "llamaprompt_rule_chars(name)",
+             requires=("common/json-schema-to-grammar.cpp", "INVALID_RULE_CHARS_RE"),
+             lost="a tool or property name of ~30,000 characters outside [a-zA-Z0-9-] overflows the stack"),
+        Edit(SCHEMA_REF_NAME, "llamaprompt_rule_chars(ref_fragment)",
+             requires=("common/json-schema-to-grammar.cpp", "nonalphanumeric_regex"),
+             lost="a $ref of ~30,000 characters outside [a-zA-Z0-9-] overflows the stack"),
         Edit(SCHEMA_RULES_DECL, SCHEMA_RULES_DECL + SCHEMA_RULES_JOURNAL, speed=SCHEMA_SNAPSHOT_SPEED,
              group="schema_snapshot"),
         Edit("            _rules[esc_name] = rule;\n", "            llamaprompt_put_rule(esc_name, rule);\n",
@@ -788,6 +819,13 @@ REWRITES = [
              speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
         Edit(SCHEMA_SNAPSHOT, SCHEMA_JOURNAL, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
         Edit(SCHEMA_RESTORE, SCHEMA_REVERT, count=2, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
+    ]),
+    # rule names without std::regex (src/cpp/rule_names.h, src/cpp/shim_peg_parser.cpp)
+    Rewrite("common/peg-parser.cpp", "peg-parser.cpp", [
+        Edit("return std::regex_replace(name, invalid_rule_chars_re, \"-\");",
+             "return llamaprompt_rule_chars(name);  // llamaprompt: no std::regex (a stack overflow)",
+             requires=("common/peg-parser.cpp", "invalid_rule_chars_re"),
+             lost="a tool name of ~30,000 characters outside [a-zA-Z0-9-] overflows the stack"),
     ]),
     # no config.ini files applied to a library call (src/cpp/shim_arg.cpp)
     Rewrite("common/arg.cpp", "arg.cpp", [

@@ -1,10 +1,12 @@
 // common/json-schema-to-grammar.cpp, compiled from the build tree's copy (see CMakeLists.txt)
 // in which the one message it prints straight to stderr (an incomplete schema conversion)
 // goes to llama.cpp's log instead, and from there to Python's logging ("llamaprompt.llama_cpp")
-// like every other llama.cpp message, and in which each rule added and each pattern converted
-// checks the call's time budget. The archive's copy of this object is then never linked.
+// like every other llama.cpp message, in which each rule added, each pattern converted (and every
+// 256 of its characters) and each step over an object's optional properties checks the call's
+// time budget, and rule names are made without std::regex (a stack overflow on long names). The archive's copy of this object is then never linked.
 #include "jinja_guard.h"
 #include "logging.h"
+#include "rule_names.h"
 
 #include <cstdarg>
 #include <cstdio>
@@ -24,5 +26,13 @@ static void llamaprompt_log_warning(FILE * /*stderr*/, const char * fmt, ...) {
 // each rule added and each pattern converted: the call's time budget (jinja_guard.h), which
 // covers its grammar generation as it covers its template executions
 static void llamaprompt_schema_step() { llamaprompt::jinja_guard_time("grammar generation"); }
+
+// each character of a pattern being converted: the time budget every 256
+static void llamaprompt_schema_tick() {
+    static thread_local unsigned ticks = 0;
+    if ((++ticks & 255) == 0) {
+        llamaprompt_schema_step();
+    }
+}
 
 #include "json-schema-to-grammar.cpp"  // the generated copy
