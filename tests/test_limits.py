@@ -325,6 +325,10 @@ def test_output_budget():
     doubling = "{% set s = namespace(v='x') %}{% for i in range(64) %}{% set s.v = s.v ~ s.v %}{% endfor %}"
     with pytest.raises(llamaprompt.TemplateError, match="budget"):
         llamaprompt.ChatTemplate(_trap(doubling)).apply_template(_on("trap"))
+    # a repetition builds one part per time (`'x' * n`: n parts of 1 byte), each counted as 32 bytes
+    # more: 3,000,000 bytes of text are 99,000,000 counted, and the message says so
+    with pytest.raises(llamaprompt.TemplateError, match=r"3000000 bytes in 3000000 parts, counted as 99000000 with 32"):
+        llamaprompt.ChatTemplate(_trap("{{ 'x' * 3000000 }}")).apply_template(_on("trap"))
     # 1200 bytes in 600 parts > 1000: refused at load (the load-time probes render it)
     with pytest.raises(llamaprompt.TemplateError, match="size budget") as e:
         llamaprompt.ChatTemplate("{{ 'ab' * 600 }}", max_output_bytes=1000)

@@ -185,8 +185,13 @@ void jinja_guard_size(size_t bytes, size_t parts) {
     const size_t cost = (bytes > SIZE_MAX / 2 || parts > SIZE_MAX / 64) ? SIZE_MAX : bytes + parts * 32;
     const size_t max_bytes = current().max_bytes;
     if (max_bytes != 0 && cost > max_bytes) {
+        // (the bytes as counted: a value of many small parts -- `'x' * n` is n parts of 1 byte --
+        // costs far more memory than its text, and the message says so rather than "3000000 > 67108864")
+        const std::string counted = parts == 0 ? std::string()
+                                    : cost == SIZE_MAX ? std::string(", with 32 per part: too many to count")
+                                                       : ", counted as " + std::to_string(cost) + " with 32 per part";
         fire("template execution exceeded the size budget (a value of " + std::to_string(bytes) + " bytes in " +
-             std::to_string(parts) + " parts > " + std::to_string(max_bytes) + " bytes)");
+             std::to_string(parts) + " parts" + counted + " > " + std::to_string(max_bytes) + " bytes)");
     }
     check_time();  // string building can be slow without many steps between clock checks
 }
