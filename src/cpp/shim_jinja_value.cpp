@@ -57,8 +57,8 @@ static size_t llamaprompt_sized(size_t current, size_t bytes) {
 static void llamaprompt_json_indent_guard(std::ostringstream & oss, int curr_lvl, int indent) {
     if (indent > 0) {
         const std::streamoff at = oss.tellp();
-        llamaprompt::jinja_guard_bytes(static_cast<size_t>(at > 0 ? at : 0) +
-                                       static_cast<size_t>(indent) * (static_cast<size_t>(curr_lvl > 0 ? curr_lvl : 0) + 1));
+        const size_t levels = static_cast<size_t>(curr_lvl > 0 ? curr_lvl : 0) + 1;
+        llamaprompt::jinja_guard_bytes(static_cast<size_t>(at > 0 ? at : 0) + static_cast<size_t>(indent) * levels);
     }
 }
 

@@ -3,7 +3,8 @@
 // goes to llama.cpp's log instead, and from there to Python's logging ("llamaprompt.llama_cpp")
 // like every other llama.cpp message, in which each rule added, each pattern converted (and every
 // 256 of its characters) and each step over an object's optional properties checks the call's
-// time budget, and rule names are made without std::regex (a stack overflow on long names). The archive's copy of this object is then never linked.
+// time budget, and rule names are made without std::regex (rule_names.h: a stack overflow on
+// long names). The archive's copy of this object is then never linked.
 #include "jinja_guard.h"
 #include "logging.h"
 #include "rule_names.h"
