@@ -329,6 +329,9 @@ def test_output_budget():
     # more: 3,000,000 bytes of text are 99,000,000 counted, and the message says so
     with pytest.raises(llamaprompt.TemplateError, match=r"3000000 bytes in 3000000 parts, counted as 99000000 with 32"):
         llamaprompt.ChatTemplate(_trap("{{ 'x' * 3000000 }}")).apply_template(_on("trap"))
+    # a value that is no string (range()'s list) has no parts: the message names none
+    with pytest.raises(llamaprompt.TemplateError, match=r"size budget \(a value of \d+ bytes > 67108864 bytes\)"):
+        llamaprompt.ChatTemplate(_trap("{{ range(3000000)|join(',') }}")).apply_template(_on("trap"))
     # 1200 bytes in 600 parts > 1000: refused at load (the load-time probes render it)
     with pytest.raises(llamaprompt.TemplateError, match="size budget") as e:
         llamaprompt.ChatTemplate("{{ 'ab' * 600 }}", max_output_bytes=1000)
@@ -687,3 +690,28 @@ except llamaprompt.Error as e:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     expected = "grammar generation exceeded the time budget (0.5 s)"
     assert proc.stdout.strip().endswith(expected), (proc.stdout, proc.stderr)
+
+
+def test_a_chain_of_refs_in_a_schema_raises_instead_of_crashing():
+    # llama.cpp's schema converter recursed once per schema level and once more per $ref resolved:
+    # 5,000 $defs (here 6,000), each an array of the next -- 6 levels of JSON, under the request's nesting limit --
+    # overflowed the stack (SIGSEGV; a fresh user's report). The stack guard now stops it at half of
+    # the thread's stack. In a child process: a crash must not kill pytest
+    script = """
+import llamaprompt
+defs = {f"D{i}": {"type": "array", "items": {"$ref": f"#/$defs/D{i + 1}"}} for i in range(6000 - 1)}
+defs["D5999"] = {"type": "string"}
+schema = {"$defs": defs, "type": "object", "properties": {"a": {"$ref": "#/$defs/D0"}}, "required": ["a"]}
+hi = {"messages": [{"role": "user", "content": "hi"}]}
+t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"), timeout=None)
+for extra in ({"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]},
+              {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}):
+    try:
+        t.apply({**hi, **extra})
+        print("no error")
+    except llamaprompt.TemplateError as e:
+        print(e.message.endswith("JSON schema nested too deeply (half of the thread's stack, or 8 MiB, used)"))
+print(bool(t.apply(hi).prompt))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["True", "True", "True"]), proc.stderr[-2000:]

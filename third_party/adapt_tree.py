@@ -420,6 +420,16 @@ SCHEMA_RECURSIVE_REFS_STEP = SCHEMA_RECURSIVE_REFS.replace(
 # stack (SIGSEGV, found by the fresh-user trial); llamaprompt_rule_chars replaces each maximal run
 # of those characters by "-" in a loop: the same text
 SCHEMA_RULE_NAME = "regex_replace(name, INVALID_RULE_CHARS_RE, \"-\")"
+# visit() recursed once per level of the schema -- and once more per $ref it resolves: a chain of
+# 5,000 $defs, each an array of the next (6 levels of JSON, under the request's nesting limit),
+# overflowed the stack (SIGSEGV, found by the fresh-user trial). The stack guard at each visit, before
+# its rule name (the pinned tree's visit takes a parsed schema, older trees' the JSON: that line is
+# in both)
+SCHEMA_VISIT_LINE = ('        std::string rule_name = is_reserved_name(name) ? name + "-" : '
+                     'name.empty() ? "root" : name;\n')
+SCHEMA_BUILD_NODE = "    common_chat_schema_ptr build_node(const common_json & schema, const std::string & path) {\n"
+SCHEMA_NESTING_GUARD = "        llamaprompt_schema_nesting();  // llamaprompt: the stack guard\n"
+SCHEMA_VISIT_GUARD = "        llamaprompt_schema_visit();  // llamaprompt: the stack guard and the time budget\n"
 SCHEMA_REF_NAME = "std::regex_replace(ref_fragment, nonalphanumeric_regex, \"-\")"
 TOJSON_INDENT_GUARD = ("    llamaprompt_json_indent_guard(oss, curr_lvl, indent);"
                        "  // llamaprompt: the size budget, before the indentation is written\n")
@@ -805,6 +815,9 @@ REWRITES = [
         Edit(SCHEMA_RECURSIVE_REFS, SCHEMA_RECURSIVE_REFS_STEP,
              requires=("common/json-schema-to-grammar.cpp", "get_recursive_refs"),
              lost="an object's optional properties (cubic in their count) are not under the time budget"),
+        Edit(SCHEMA_VISIT_LINE, SCHEMA_VISIT_GUARD + SCHEMA_VISIT_LINE,
+             requires=("common/json-schema-to-grammar.cpp", "std::string visit("),
+             lost="a chain of thousands of $refs in a schema overflows the stack (the process dies)"),
         Edit(SCHEMA_RULE_NAME, "llamaprompt_rule_chars(name)",
              requires=("common/json-schema-to-grammar.cpp", "INVALID_RULE_CHARS_RE"),
              lost="a tool or property name of ~30,000 characters outside [a-zA-Z0-9-] overflows the stack"),
@@ -819,6 +832,16 @@ REWRITES = [
              speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
         Edit(SCHEMA_SNAPSHOT, SCHEMA_JOURNAL, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
         Edit(SCHEMA_RESTORE, SCHEMA_REVERT, count=2, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
+    ]),
+    # the JSON-schema reader (src/cpp/shim_json_schema_reader.cpp): build_node recursed once per
+    # schema level and once more per $ref it follows -- a chain of 6,000 $defs, each an array of the
+    # next (6 levels of JSON, under the request's nesting limit), overflowed the stack (SIGSEGV,
+    # found by the fresh-user trial); the stack guard at each node. Trees before it (0.3.35) read
+    # schemas in json-schema-to-grammar.cpp's visit (guarded above)
+    Rewrite("common/json-schema.cpp", "json-schema.cpp", [
+        Edit(SCHEMA_BUILD_NODE, SCHEMA_BUILD_NODE + SCHEMA_NESTING_GUARD,
+             requires=("common/json-schema.cpp", "build_node("),
+             lost="a chain of thousands of $refs in a schema overflows the stack (the process dies)"),
     ]),
     # rule names without std::regex (src/cpp/rule_names.h, src/cpp/shim_peg_parser.cpp)
     Rewrite("common/peg-parser.cpp", "peg-parser.cpp", [
@@ -2652,6 +2675,10 @@ def _incomplete_groups(text: str, edits: list[Edit], engine_rewrites: bool) -> s
         incomplete |= found
 
 
+# the generated copy of a guarded file the tree does not have
+EMPTY_COPY = "// llamaprompt: this file is not in this llama.cpp tree (third_party/adapt_tree.py)\n"
+
+
 def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites: bool = True,
                    handlers: list[Rewrite] | None = None,
                    probed_edits: dict[str, list[Edit]] | None = None) -> list[dict]:
@@ -2666,6 +2693,16 @@ def apply_rewrites(tree: Tree, out_dir: Path, notes: list[str], engine_rewrites:
             notes.append(f"{rw.rel}: not in this tree; its rewrites are not applied")
             applied += [{"file": rw.rel, "pattern": e.old, "applied": False, "engine": e.speed,
                          "skipped": "the file is not in this tree"} for e in rw.edits]
+            continue
+        if not tree.has(rw.rel) and all(e.requires and e.requires[0] == rw.rel for e in rw.edits):
+            # guards of a file the tree does not have (nothing to guard): an empty copy for its shim
+            notes.append(f"{rw.rel}: not in this tree; its guards are not needed")
+            applied += [{"file": rw.rel, "pattern": e.old, "applied": False, "skipped": "the file is not in this tree"}
+                        for e in rw.edits]
+            target = out_dir / "generated" / rw.out
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists() or target.read_text(encoding="utf-8") != EMPTY_COPY:
+                target.write_text(EMPTY_COPY, encoding="utf-8")
             continue
         text = tree.read(rw.rel)
         incomplete = _incomplete_groups(text, rw.edits, engine_rewrites)

@@ -163,6 +163,17 @@ void jinja_guard_tick() {
 
 void jinja_guard_time(const char * activity) { check_time(activity); }
 
+void jinja_guard_stack(const char * what) {
+    guard_state & g = current();
+    if (g.stack_floor == 1) {
+        compute_stack_bounds(g);
+    }
+    char probe;
+    if (g.stack_floor != 0 && reinterpret_cast<uintptr_t>(&probe) < g.stack_floor) {
+        fire(std::string(what) + " nested too deeply (half of the thread's stack, or 8 MiB, used)");
+    }
+}
+
 void jinja_guard_bytes(size_t bytes) {
     const size_t max_bytes = current().max_bytes;
     if (max_bytes != 0 && bytes > max_bytes) {
@@ -190,8 +201,9 @@ void jinja_guard_size(size_t bytes, size_t parts) {
         const std::string counted = parts == 0 ? std::string()
                                     : cost == SIZE_MAX ? std::string(", with 32 per part: too many to count")
                                                        : ", counted as " + std::to_string(cost) + " with 32 per part";
-        fire("template execution exceeded the size budget (a value of " + std::to_string(bytes) + " bytes in " +
-             std::to_string(parts) + " parts" + counted + " > " + std::to_string(max_bytes) + " bytes)");
+        const std::string in_parts = parts == 0 ? std::string() : " in " + std::to_string(parts) + " parts";
+        fire("template execution exceeded the size budget (a value of " + std::to_string(bytes) + " bytes" + in_parts +
+             counted + " > " + std::to_string(max_bytes) + " bytes)");
     }
     check_time();  // string building can be slow without many steps between clock checks
 }

@@ -70,6 +70,9 @@ void jinja_guard_work(size_t bytes);
 // tool and response_format JSON schemas to grammar rules: shim_json_schema.cpp); `activity` names
 // it in the message ("grammar generation exceeded the time budget (2 s)")
 void jinja_guard_time(const char * activity);
+// the stack guard alone, for a recursion outside the Jinja engine (llama.cpp's schema converter:
+// a chain of $refs recursed once per link); `what` names it ("JSON schema nested too deeply ...")
+void jinja_guard_stack(const char * what);
 // size alone, before a value of at least `bytes` is built (tojson's output so far and the
 // indentation it is about to write): no clock read
 void jinja_guard_bytes(size_t bytes);

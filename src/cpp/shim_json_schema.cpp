@@ -28,6 +28,13 @@ static void llamaprompt_log_warning(FILE * /*stderr*/, const char * fmt, ...) {
 // covers its grammar generation as it covers its template executions
 static void llamaprompt_schema_step() { llamaprompt::jinja_guard_time("grammar generation"); }
 
+// each schema visited: the stack guard (a chain of 5,000 $refs recursed through visit and
+// _resolve_ref until the stack overflowed), then the time budget
+static void llamaprompt_schema_visit() {
+    llamaprompt::jinja_guard_stack("JSON schema");
+    llamaprompt_schema_step();
+}
+
 // each character of a pattern being converted: the time budget every 256
 static void llamaprompt_schema_tick() {
     static thread_local unsigned ticks = 0;
