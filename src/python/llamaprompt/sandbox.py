@@ -44,6 +44,7 @@ from .errors import Error, GGUFError, RequestError, ServerArgsError, TemplateErr
 from .notices import UNRAISABLE_CONTEXT
 from .options import DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT, Options
 from .params import ChatParams
+from .template import read_template_file
 from .text import fspath, messages_list, request_body
 
 __all__ = ["UntrustedTemplate", "DEFAULT_TIMEOUT", "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_MEMORY_BYTES"]
@@ -348,10 +349,7 @@ class UntrustedTemplate:
         its notices name the file. Raises OSError when the file cannot be read, ValueError for a
         GGUF file (use :meth:`from_gguf`), and what the constructor raises."""
         path = fspath(path)
-        with open(path, "rb") as f:
-            data = f.read()
-        if data[:4] == b"GGUF":
-            raise ValueError(f"{path} is a GGUF model file: use UntrustedTemplate.from_gguf(path)")
+        data = read_template_file(path, "UntrustedTemplate")
         self = cls.__new__(cls)
         self._init(_source_parts(data, options), options, timeout, max_output_bytes, max_memory_bytes, name=path)
         return self

@@ -404,11 +404,7 @@ class ChatTemplate:
         file cannot be read, and what the constructor raises.
         """
         path = fspath(path)
-        with open(path, "rb") as f:
-            data = f.read()
-        if data[:4] == b"GGUF":
-            raise ValueError(f"{path} is a GGUF model file: use ChatTemplate.from_gguf(path)")
-        self = cls(data, **options)
+        self = cls(read_template_file(path, "ChatTemplate"), **options)
         self._notices.name = path
         return self
 
@@ -972,6 +968,16 @@ def _prompt_render(
         if prefix is None and out and prompt.startswith(out):
             prefix = i
     return (prefix, "prefix") if prefix is not None else (None, None)
+
+
+def read_template_file(path: str, owner: str) -> bytes:
+    """A template file's bytes (from_file). Raises OSError when it cannot be read, ValueError for a
+    GGUF model file (``owner``: the class whose from_gguf to use instead)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] == b"GGUF":
+        raise ValueError(f"{path} is a GGUF model file: use {owner}.from_gguf(path)")
+    return data
 
 
 def _restore(
