@@ -70,7 +70,10 @@ def test_unchanged_tree_configures_with_the_built_features(tree, tmp_path):
     # the module was built by this very probe from the same files
     assert info["features"] == llamaprompt.features
     assert all(r["applied"] or "skipped" in r for r in info["rewrites"])
-    assert (tmp_path / "out" / "generated" / "chat.cpp").read_text().count("llamaprompt_analyze_template(") == 1
+    # the template analysis comes from llamaprompt's cache, read in place (the shared_analysis rewrite)
+    chat = (tmp_path / "out" / "generated" / "chat.cpp").read_text()
+    assert chat.count("llamaprompt_analyze_template(") == 0
+    assert chat.count("const struct autoparser::autoparser & autoparser = *llamaprompt_analysis;") == 1
 
 
 @pytest.mark.parametrize(
@@ -588,6 +591,28 @@ def test_normalize_move_rewrite_is_left_out_where_normalize_reads_its_input_agai
     assert "normalize(json && messages)" not in (tmp_path / "out" / "generated" / "chat.cpp").read_text()
 
 
+@pytest.mark.parametrize(
+    ("use", "problem"),
+    [
+        ('        autoparser.user_start = "x";\n', "the analysis is used other than by reading its members"),
+        ("        autoparser.collect_preserved_tokens();\n", "it calls autoparser.collect_preserved_tokens()"),
+        ("        keep(autoparser);\n", "the analysis is used other than by reading its members"),
+    ],
+    ids=["assigned", "non-const-call", "passed-on"],
+)
+def test_shared_analysis_rewrite_is_left_out_where_the_analysis_is_changed(tree, tmp_path, use, problem):
+    # the cached analysis is shared between requests: read in place only where the rest of the
+    # function only reads it; else each request copies it, as before
+    analyzed = "        autoparser.analyze_template(tmpl);\n"
+    _edit(tree / "common" / "chat.cpp", analyzed, analyzed + use)
+    info, shared = _rewrite_records(tree, tmp_path, "the template analysis")
+    assert not shared
+    assert any(problem in n and "common_chat_templates_apply_jinja" in n for n in info["notes"]), info["notes"]
+    chat = (tmp_path / "out" / "generated" / "chat.cpp").read_text()
+    assert "llamaprompt_shared_analysis" not in chat
+    assert chat.count("llamaprompt_analyze_template(autoparser, tmpl);") == 1
+
+
 def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     # a tree whose engine lacks a rewrite's pattern builds without it, with a message
     _edit(
@@ -599,7 +624,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 60
+    assert len(engine) == 61
     skipped = [r for r in engine if not r["applied"]]
     # (and, on a tree whose schema converter never copied its rules -- 0.3.35's -- that group)
     schema = tree / "common" / "json-schema-to-grammar.cpp"

@@ -1807,6 +1807,54 @@ def normalize_move_edits(tree: Tree, notes: list[str]) -> list[Edit]:
                  speed=NORMALIZE_MOVE, group="normalize_move")]
 
 
+# common_chat_templates_apply_jinja declared its own autoparser and analyzed the template into it;
+# llamaprompt's analysis cache (src/cpp/shim_chat.cpp) then copied the cached analysis into that
+# local on every request: some thirty strings and vectors. Now the local is a const reference to
+# the cached analysis (shared, never changed after it is made). Applied only where the function's
+# remaining code reads the analysis and nothing else: members read, the const methods below called
+# on them, and the object passed to generate_parser (whose parameter is a const reference).
+SHARED_ANALYSIS = "the template analysis: the cached one read in place, not copied for each request"
+ANALYSIS_DECL = ("        struct autoparser::autoparser autoparser;\n"
+                 "        llamaprompt_analyze_template(autoparser, tmpl);\n")
+ANALYSIS_SHARED = ("        // llamaprompt (an engine rewrite, see adapt_tree.py): the cached analysis, not a copy\n"
+                   "        const auto llamaprompt_analysis = llamaprompt_shared_analysis(tmpl);\n"
+                   "        const struct autoparser::autoparser & autoparser = *llamaprompt_analysis;\n")
+ANALYSIS_READ = re.compile(
+    r"\bautoparser((?:\.\w+)+)(\s*\(\s*\))?(?=\s*(?:[)\];,?:]|[!=]=|&&|\|\||\.c_str\(\)))")
+ANALYSIS_CONST_CALLS = {"empty", "size", "c_str", "str"}
+ANALYSIS_PASSED = "llamaprompt_generate_parser(tmpl, params, autoparser)"
+
+
+def shared_analysis_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """The chat.cpp edit that reads the cached template analysis in place (SHARED_ANALYSIS)."""
+    chat = tree.read("common/chat.cpp")
+    old = "        struct autoparser::autoparser autoparser;\n        autoparser.analyze_template(tmpl);\n"
+    problem = ""
+    if chat.count(old) != 1:
+        problem = "its declaration and analysis are not two adjacent lines"
+    else:
+        at = chat.find(old) + len(old)
+        end = chat.find("} catch (", at)
+        upstream_call = ANALYSIS_PASSED.replace("llamaprompt_generate_parser",
+                                                "autoparser::peg_generator::generate_parser")
+        rest = code_only(chat[at:end]).replace(upstream_call, "")
+        for m in ANALYSIS_READ.finditer(rest):
+            members = m.group(1).split(".")[1:]
+            if m.group(2) and members[-1] not in ANALYSIS_CONST_CALLS:
+                problem = f"it calls autoparser{m.group(1)}()"
+                break
+        else:
+            leftover = ANALYSIS_READ.sub("", rest)
+            if end < 0 or re.search(r"\bautoparser\b(?!::)", leftover):
+                problem = "the analysis is used other than by reading its members"
+    if problem:
+        notes.append(f"common/chat.cpp: engine rewrite not applied (the autoparser of "
+                     f"common_chat_templates_apply_jinja: {problem}); the analysis is copied for each request "
+                     f"(slower: {SHARED_ANALYSIS})")
+        return []
+    return [Edit(ANALYSIS_DECL, ANALYSIS_SHARED, speed=SHARED_ANALYSIS, group="shared_analysis")]
+
+
 # tojson (value_to_json_internal, value.cpp) wrote a string value's escaped text one character at a
 # time (`oss << c`: a stream insertion per byte), after copying the value's parts and joining them
 # (`as_string().str()`), and inserted empty strings for the indentation and line breaks of compact
@@ -2987,6 +3035,7 @@ def main(argv: list[str]) -> int:
         for rel, edits in caps_lookup_edits(tree, notes).items():
             probed[rel] = probed.get(rel, []) + edits
         probed["common/chat.cpp"] = probed.get("common/chat.cpp", []) + normalize_move_edits(tree, notes)
+        probed["common/chat.cpp"] += shared_analysis_edits(tree, notes)
         handlers = no_gen_reuse_rewrites(tree, notes, handlers, probed)
         rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, probed)
         server_chat_params_check(tree)

@@ -202,26 +202,31 @@ struct analysis_cache {
 };
 
 // caps.to_string(), kept per thread for the last caps seen: jinja::caps is plain bools, so
-// equal bytes give the same text (computed again when they differ)
-static std::string caps_text(const jinja::caps & caps) {
+// equal bytes give the same text (computed again when they differ; `changed` is then set)
+static const std::string & caps_text(const jinja::caps & caps, bool & changed) {
+    thread_local std::string text;
     if constexpr (std::is_trivially_copyable_v<jinja::caps>) {
         thread_local unsigned char bytes[sizeof(jinja::caps)];
-        thread_local std::string text;
         thread_local bool valid = false;
-        if (!valid || std::memcmp(bytes, &caps, sizeof(jinja::caps)) != 0) {
+        changed = !valid || std::memcmp(bytes, &caps, sizeof(jinja::caps)) != 0;
+        if (changed) {
             text = caps.to_string();
             std::memcpy(bytes, &caps, sizeof(jinja::caps));
             valid = true;
         }
-        return text;
     } else {
-        return caps.to_string();
+        text = caps.to_string();
+        changed = true;
     }
+    return text;
 }
 
 std::shared_ptr<analysis_cache> make_analysis_cache() { return std::make_shared<analysis_cache>(); }
 
-static std::string analysis_key(const common_chat_template & tmpl) {
+// The analysis cache's key: the template (its address), its caps and the local date. Kept per
+// thread for the last template, caps and second seen (each request asks twice: its analysis and
+// its parser-inputs key), so a request usually builds no text for it.
+static const std::string & analysis_key(const common_chat_template & tmpl) {
     // the local date, formatted at most once a second per thread (every request asks)
     struct day_text {  // trivial: a thread-local without a guard
         std::time_t second;
@@ -229,6 +234,12 @@ static std::string analysis_key(const common_chat_template & tmpl) {
         char text[32];
     };
     thread_local day_text day;
+    struct last_key {
+        const common_chat_template * tmpl = nullptr;
+        std::time_t second = 0;
+        std::string text;
+    };
+    thread_local last_key last;
     const std::time_t now = std::time(nullptr);
     if (!day.known || day.second != now) {
         std::tm tm_now{};
@@ -241,7 +252,14 @@ static std::string analysis_key(const common_chat_template & tmpl) {
         day.second = now;
         day.known = true;
     }
-    return std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + caps_text(tmpl.original_caps()) + "|" + day.text;
+    bool caps_changed = false;
+    const std::string & caps = caps_text(tmpl.original_caps(), caps_changed);
+    if (caps_changed || last.tmpl != &tmpl || last.second != now || last.text.empty()) {
+        last.text = std::to_string(reinterpret_cast<uintptr_t>(&tmpl)) + "|" + caps + "|" + day.text;
+        last.tmpl = &tmpl;
+        last.second = now;
+    }
+    return last.text;
 }
 
 }  // namespace llamaprompt
@@ -331,30 +349,39 @@ struct llamaprompt_analysis_scope {
     }
 };
 
-static void llamaprompt_analyze_template(autoparser::autoparser & ap, const common_chat_template & tmpl) {
+// the template's analysis: the cached one (per ChatTemplate, by analysis_key), or a new one --
+// kept in the cache unless a budget stopped some of its renders (which the analysis catches).
+// Shared and never changed once made: common_chat_templates_apply_jinja reads it in place (the
+// shared_analysis engine rewrite, adapt_tree.py) or copies it (llamaprompt_analyze_template).
+static std::shared_ptr<const autoparser::autoparser> llamaprompt_shared_analysis(const common_chat_template & tmpl) {
     using namespace llamaprompt;
     llamaprompt_analysis_scope analysis(current_handler);
     analysis_cache * cache = current_handler ? current_handler->cache : nullptr;
-    if (!cache) {
-        ap.analyze_template(tmpl);
-        return;
-    }
-    const std::string key = analysis_key(tmpl);
-    {
-        std::lock_guard<std::mutex> lock(cache->mutex);
-        auto it = cache->results.find(key);
-        if (it != cache->results.end()) {
-            ap = *it->second;
-            return;
+    std::string key;
+    if (cache) {
+        const std::string & known = analysis_key(tmpl);
+        {
+            std::lock_guard<std::mutex> lock(cache->mutex);
+            auto it = cache->results.find(known);
+            if (it != cache->results.end()) {
+                return it->second;
+            }
         }
+        key = known;  // (the thread's text: copied before the analysis renders anything)
     }
+    auto made = std::make_shared<autoparser::autoparser>();
     const uint64_t fired = jinja_guard_fired();
-    ap.analyze_template(tmpl);  // outside the lock: analyses of different keys run in parallel
-    if (jinja_guard_fired() != fired) {
-        return;  // a budget stopped some of its renders (which the analysis catches): not reusable
+    made->analyze_template(tmpl);  // outside the lock: analyses of different keys run in parallel
+    if (cache && jinja_guard_fired() == fired) {
+        std::lock_guard<std::mutex> lock(cache->mutex);
+        cache->results.emplace(std::move(key), made);
     }
-    std::lock_guard<std::mutex> lock(cache->mutex);
-    cache->results.emplace(key, std::make_shared<const autoparser::autoparser>(ap));
+    return made;
+}
+
+// replaces `autoparser.analyze_template(tmpl)` in common_chat_templates_apply_jinja
+static void llamaprompt_analyze_template(autoparser::autoparser & ap, const common_chat_template & tmpl) {
+    ap = *llamaprompt_shared_analysis(tmpl);
 }
 
 namespace llamaprompt {
