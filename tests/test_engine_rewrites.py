@@ -243,3 +243,55 @@ def test_an_unsupported_pattern_takes_back_only_the_rules_it_added(caplog):
     # a rule that was there before the pattern stays, though the pattern added it again
     assert "dot" in _schema_grammar_rules("^a.b$", "^a.b(?=c)$")
     assert "dot" in _schema_grammar_rules("^a.b(?=c)$", "^a.b$")
+
+
+# A string literal's value is made once per node and thread and returned again (LITERAL_VALUE in
+# adapt_tree.py): every use of it must still see the literal's text, whatever an earlier run did
+# with the value -- kept in a namespace, a list or as an object key, concatenated, filtered,
+# repeated, compared -- and a template freed and another parsed at the same addresses must see
+# its own literals. The expected prompts are the templates' text read as Jinja.
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("{% for x in [1, 2, 3] %}{{ 'a' }}{{ 'a' ~ x }}{{ 'a' * x }};{% endfor %}", "aa1a;aa2aa;aa3aaa;"),
+        ("{% set ns = namespace(s='', l=[]) %}{% for x in [1, 2] %}{% set ns.s = ns.s ~ 'ab' %}"
+         "{% set ns.l = ns.l + ['cd'] %}{% endfor %}{{ ns.s }}|{{ ns.l | join(',') }}|{{ 'cd' }}",
+         "abab|cd,cd|cd"),
+        ("{% set l = [] %}{% for x in [1, 2] %}{% set _ = l.append('v') %}{{ l | length }}{% endfor %}"
+         "{{ l[0] is string }}{{ l[0] == l[1] }}", "12TrueTrue"),
+        ("{% for x in [1, 2] %}{% set d = {'k': x} %}{{ d['k'] }}{{ d.k }}{{ 'k' in d }}{% endfor %}",
+         "11True22True"),
+        ("{% for x in ['abc', 'ABC'] %}{{ 'abc' | upper }}{{ 'abc' | title }}{{ x == 'abc' }}{{ 'abc' }};{% endfor %}",
+         "ABCAbcTrueabc;ABCAbcFalseabc;"),
+        ("{% macro m(s) %}{{ s ~ '!' }}{% endmacro %}{% for x in [1, 2] %}{{ m('hi') }}{{ 'hi' }}{% endfor %}",
+         "hi!hihi!hi"),
+        ("{% for x in [1, 2] %}{{ '' }}{{ ''|length }}{{ 'ab' | length }}{% endfor %}", "0202"),
+    ],
+)
+def test_a_string_literal_always_gives_its_own_text(source, expected):
+    t = llamaprompt.ChatTemplate(source)
+    assert [t.apply_template(HI) for _ in range(3)] == [expected] * 3
+
+
+def test_literals_of_a_freed_template_are_not_seen_by_the_next_one():
+    # templates of the same shape made and freed in turn: their nodes come back at the same
+    # addresses with other text
+    for i in range(200):
+        word = f"w{i % 7}" * (i % 3 + 1)
+        t = llamaprompt.ChatTemplate("{% for m in messages %}{{ '" + word + "' }}{{ m.content }}{% endfor %}")
+        assert t.apply_template(HI) == word + "hi"
+        del t
+
+
+def test_string_literals_on_two_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = llamaprompt.ChatTemplate(
+        "{% for m in messages %}{{ '<' ~ m.role ~ '>' }}{{ m.content }}{{ '</>' }}{% endfor %}"
+    )
+    requests = [{"messages": [{"role": "user", "content": str(i)}] * (i % 4 + 1)} for i in range(200)]
+    expected = ["<user>" + str(i) + "</>" for i in range(200)]
+    expected = [e * (i % 4 + 1) for i, e in enumerate(expected)]
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(t.apply_template, requests)) == expected
+    assert t.apply_template_many(requests, threads=2) == expected
