@@ -159,8 +159,14 @@ def generated_requests(n: int, seed: int = SEED) -> dict[str, dict[str, Any]]:
             req["reasoning_effort"] = rng.choice(["low", "medium", "high"])
         if rng.random() < 0.1:
             req["response_format"] = {"type": "json_object"}
-        elif rng.random() < 0.05:
-            schema = {"type": "object", "properties": {f"r{j}": _property(rng) for j in range(rng.randint(1, 4))}}
+        elif rng.random() < 0.15:
+            # optional properties (each suffix of them a rule), some required, extra properties
+            props = {f"r{j}": _property(rng) for j in range(rng.randint(1, 6))}
+            schema = {"type": "object", "properties": props}
+            if rng.random() < 0.3:
+                schema["required"] = sorted(props)[: rng.randint(0, 2)]
+            if rng.random() < 0.3:
+                schema["additionalProperties"] = rng.choice([True, {"type": "integer"}])
             req["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
         out[f"generated_{k}"] = req
     return out

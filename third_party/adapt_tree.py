@@ -415,6 +415,51 @@ SCHEMA_RECURSIVE_REFS_STEP = SCHEMA_RECURSIVE_REFS.replace(
     "                std::string res;\n",
     "                llamaprompt_schema_step();  // llamaprompt: the call's time budget\n"
     "                std::string res;\n")
+# The same, rewritten (an engine rewrite, a group): each level took a copy of the names left, and
+# each of the n suffixes recomputed the rules of every shorter suffix, which the first suffix had
+# already added -- _add_rule gives a name and text it already holds the same name back, and nothing
+# else adds rules between -- so the work and memory were O(n^2) names. Now a level reads the
+# optional properties from an index, and the text for the suffix from index i (with its first
+# property optional) is kept the first time it is made and returned after: the same rules, names
+# and text. The time budget's step stays at each level run.
+OPTIONAL_REFS = "an object's optional properties: each suffix's rules made once, no copies of the names left"
+OPTIONAL_REFS_HEAD = ("std::function<std::string(const std::vector<std::string> &, bool)> get_recursive_refs = "
+                      "[&](const std::vector<std::string> & ks, bool first_is_optional) {\n")
+OPTIONAL_REFS_HEAD_NEW = ("std::vector<std::string> llamaprompt_rest_refs(optional_props.size());"
+                          "  // llamaprompt: an engine rewrite (adapt_tree.py)\n"
+                          "            std::function<std::string(size_t, bool)> get_recursive_refs = "
+                          "[&](size_t llamaprompt_from, bool first_is_optional) {\n")
+OPTIONAL_REFS_FIRST = ("                if (ks.empty()) {\n                    return res;\n                }\n"
+                       "                const std::string& k = ks[0];\n")
+OPTIONAL_REFS_FIRST_NEW = """                if (llamaprompt_from >= optional_props.size()) {
+                    return res;
+                }
+                if (first_is_optional && !llamaprompt_rest_refs[llamaprompt_from].empty()) {
+                    return llamaprompt_rest_refs[llamaprompt_from];
+                }
+                const std::string& k = optional_props[llamaprompt_from];
+"""
+OPTIONAL_REFS_REST = """                if (ks.size() > 1) {
+                    res += " " + _add_rule(
+                        name + (name.empty() ? "" : "-") + k + "-rest",
+                        get_recursive_refs(std::vector<std::string>(ks.begin() + 1, ks.end()), true)
+                    );
+                }
+                return res;
+"""
+OPTIONAL_REFS_REST_NEW = """                if (optional_props.size() - llamaprompt_from > 1) {
+                    res += " " + _add_rule(
+                        name + (name.empty() ? "" : "-") + k + "-rest",
+                        get_recursive_refs(llamaprompt_from + 1, true)
+                    );
+                }
+                if (first_is_optional) {
+                    llamaprompt_rest_refs[llamaprompt_from] = res;
+                }
+                return res;
+"""
+OPTIONAL_REFS_CALL = ("get_recursive_refs(std::vector<std::string>(optional_props.begin() + i, optional_props.end()), "
+                      "false)")
 # rule names: regex_replace(name, "[^a-zA-Z0-9-]+", "-") -- libstdc++'s matcher recurses once per
 # character of a match, so a tool, property or $ref name of ~30,000 such characters overflowed the
 # stack (SIGSEGV, found by the fresh-user trial); llamaprompt_rule_chars replaces each maximal run
@@ -870,6 +915,10 @@ REWRITES = [
              speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
         Edit(SCHEMA_SNAPSHOT, SCHEMA_JOURNAL, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
         Edit(SCHEMA_RESTORE, SCHEMA_REVERT, count=2, speed=SCHEMA_SNAPSHOT_SPEED, group="schema_snapshot"),
+        Edit(OPTIONAL_REFS_HEAD, OPTIONAL_REFS_HEAD_NEW, speed=OPTIONAL_REFS, group="optional_refs"),
+        Edit(OPTIONAL_REFS_FIRST, OPTIONAL_REFS_FIRST_NEW, speed=OPTIONAL_REFS, group="optional_refs"),
+        Edit(OPTIONAL_REFS_REST, OPTIONAL_REFS_REST_NEW, speed=OPTIONAL_REFS, group="optional_refs"),
+        Edit(OPTIONAL_REFS_CALL, "get_recursive_refs(i, false)", speed=OPTIONAL_REFS, group="optional_refs"),
     ]),
     # the JSON-schema reader (src/cpp/shim_json_schema_reader.cpp): build_node recursed once per
     # schema level and once more per $ref it follows -- a chain of 6,000 $defs, each an array of the
