@@ -273,6 +273,25 @@ def test_a_string_literal_always_gives_its_own_text(source, expected):
     assert [t.apply_template(HI) for _ in range(3)] == [expected] * 3
 
 
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        # llama.cpp's `sameas` compares string values by address: each run of a literal makes a
+        # value of its own, so the two runs' values are not the same object (upstream's engine);
+        # the same value compared with itself is
+        ("{% set ns = namespace(l=[]) %}{% for i in [1, 2] %}{% set ns.l = ns.l + ['a'] %}{% endfor %}"
+         "{{ ns.l[0] is sameas ns.l[1] }}{{ ns.l[0] is sameas ns.l[0] }}", "FalseTrue"),
+        # a test named by a computed string given to select
+        ("{% set ns = namespace(l=[]) %}{% for i in [1, 2, 3] %}{% set ns.l = ns.l + ['a'] %}{% endfor %}"
+         "{{ ns.l | select('same' ~ 'as', ns.l[1]) | list | length }}", "1"),
+    ],
+    ids=["sameas", "select-computed"],
+)
+def test_runs_of_one_literal_are_different_objects_where_a_template_can_tell(source, expected):
+    t = llamaprompt.ChatTemplate(source)
+    assert [t.apply_template(HI) for _ in range(3)] == [expected] * 3
+
+
 def test_literals_of_a_freed_template_are_not_seen_by_the_next_one():
     # templates of the same shape made and freed in turn: their nodes come back at the same
     # addresses with other text

@@ -668,13 +668,17 @@ STATEMENT_LOST = "a syntax tree ~10^5 deep (a long operator chain) overflows the
 # same node runs on the thread, while it holds the node's text (checked each time: a node freed
 # and another made at its address with other text makes a new value). Kept for 256 nodes per
 # thread (slot by address), literals of up to 4 KiB; not while the engine records capability
-# statistics (`is_get_stats`: the template analysis marks the values it sees).
+# statistics (`is_get_stats`: the template analysis marks the values it sees). Only where the
+# template cannot tell two values from one: llama.cpp's `sameas` test compares string values by
+# address, so a template that can call it (src/cpp/template.cpp may_compare_identity: the source
+# names sameas, select, reject, selectattr or rejectattr) gets a new value per run, as upstream
+# (the call's budget says which: jinja_literals_shared(), false outside llamaprompt's calls).
 LITERAL_VALUE = "string literal: the value it made last on this thread returned again, not a new one per run"
 LITERAL_HEAD = "struct string_literal : public expression {\n"
 LITERAL_HELPER = """// llamaprompt (an engine rewrite, see adapt_tree.py LITERAL_VALUE): a string literal's value,
 // the one this node made last on this thread while it holds the node's text
 inline value llamaprompt_literal_value(const void * node, const std::string & text, bool fresh) {
-    if (fresh || text.size() > 4096) {
+    if (fresh || text.size() > 4096 || !::llamaprompt::jinja_literals_shared()) {
         return mk_val<value_string>(text);
     }
     struct slot {
@@ -1253,6 +1257,8 @@ HEADER_REWRITES = [
     ]),
     Rewrite("common/jinja/runtime.h", "", [
         # a string literal's value made once per node and thread (LITERAL_VALUE above)
+        Edit("#pragma once\n", "#pragma once\nnamespace llamaprompt { bool jinja_literals_shared() noexcept; }"
+             "  // llamaprompt: jinja_guard.h\n", speed=LITERAL_VALUE, group="literal_value"),
         Edit(LITERAL_HEAD, LITERAL_HELPER + LITERAL_HEAD, speed=LITERAL_VALUE, group="literal_value"),
         Edit(LITERAL_SIGNATURE, LITERAL_SIGNATURE.replace("&)", "& llamaprompt_ctx)"), speed=LITERAL_VALUE,
              group="literal_value"),
