@@ -613,6 +613,18 @@ def test_shared_analysis_rewrite_is_left_out_where_the_analysis_is_changed(tree,
     assert chat.count("llamaprompt_analyze_template(autoparser, tmpl);") == 1
 
 
+def test_a_changed_trie_walk_in_the_schema_converter_fails_with_file_and_text(tree, tmp_path):
+    # the stack guard of _not_strings' recursion is placed at its lambda's head, which differs
+    # between trees; a tree with neither known head must not build without the guard
+    schema = tree / "common" / "json-schema-to-grammar.cpp"
+    text = schema.read_text()
+    head = next(h for h in ("[&](size_t idx) {\n", "[&](const TrieNode & node) {\n") if h in text)
+    schema.write_text(text.replace(head, head.replace("{", "{ ", 1)))
+    proc = _run(tree, tmp_path)
+    assert proc.returncode != 0
+    assert "common/json-schema-to-grammar.cpp" in proc.stderr and "_not_strings's trie walk" in proc.stderr
+
+
 def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     # a tree whose engine lacks a rewrite's pattern builds without it, with a message
     _edit(

@@ -718,6 +718,31 @@ except llamaprompt.Error as e:
         assert proc.stdout.strip().endswith(expected), (proc.stdout, proc.stderr)
 
 
+def test_a_long_property_name_with_additional_properties_raises_instead_of_crashing():
+    # an object with additionalProperties gets a rule for "any key but its properties' names", made
+    # by walking a trie of the names once per character: a name of ~50,000 characters overflowed the
+    # stack (SIGSEGV; a fresh user's report). The stack guard stops it at half of the thread's stack
+    # (names of 20,000 characters still convert on an 8 MiB stack). In a child process: a crash must
+    # not kill pytest
+    script = """
+import llamaprompt
+t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen2.5-7B-Instruct.jinja"))
+hi = {"messages": [{"role": "user", "content": "hi"}]}
+for n in (200000, 20000):
+    schema = {"type": "object", "properties": {"k" * n: {"type": "string"}}, "additionalProperties": True}
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+                  {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}):
+        try:
+            print("additional-k ::=" in t.apply({**hi, **extra}).grammar)
+        except llamaprompt.TemplateError as e:
+            print(e.message.endswith("JSON schema property names nested too deeply (half of the thread's stack, "
+                                     "or 8 MiB, used)"))
+print(bool(t.apply(hi).prompt))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["True"] * 5), proc.stderr[-2000:]
+
+
 def test_a_chain_of_refs_in_a_schema_raises_instead_of_crashing():
     # llama.cpp's schema converter recursed once per schema level and once more per $ref resolved:
     # 5,000 $defs (here 6,000), each an array of the next -- 6 levels of JSON, under the request's nesting limit --

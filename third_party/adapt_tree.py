@@ -1954,6 +1954,29 @@ def shared_analysis_edits(tree: Tree, notes: list[str]) -> list[Edit]:
     return [Edit(ANALYSIS_DECL, ANALYSIS_SHARED, speed=SHARED_ANALYSIS, group="shared_analysis")]
 
 
+# _not_strings (the key rule of an object with additionalProperties: any key but the properties')
+# walks a trie of the property names recursing once per character: a name of ~50,000 characters
+# overflowed the stack (SIGSEGV, found by the fresh-user trial), and names of 40,000 bytes ran 9 s
+# past a 10 s budget building a 411 MB rule. The stack guard and the time budget at each trie node.
+# Its lambda's head differs between trees (an index in the pinned tree, the node in 0.3.35's).
+TRIE_VISIT_HEADS = ("std::function<void(size_t)> visit = [&](size_t idx) {\n",
+                    "std::function<void(const TrieNode &)> visit = [&](const TrieNode & node) {\n")
+TRIE_GUARD = "            llamaprompt_schema_trie_step();  // llamaprompt: the stack guard and the time budget\n"
+
+
+def trie_guard_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """The guard at each trie node of json-schema-to-grammar.cpp's _not_strings (TRIE_GUARD)."""
+    rel = "common/json-schema-to-grammar.cpp"
+    if not tree.contains(rel, "_not_strings("):
+        return []
+    text = tree.read(rel)
+    heads = [h for h in TRIE_VISIT_HEADS if text.count(h) == 1]
+    if len(heads) != 1:
+        raise TreeError(f"{rel}: _not_strings's trie walk (one of {[h.strip() for h in TRIE_VISIT_HEADS]}) not found "
+                        "once: llamaprompt must be adapted to this tree (a long property name overflows the stack)")
+    return [Edit(heads[0], heads[0] + TRIE_GUARD)]
+
+
 # tojson (value_to_json_internal, value.cpp) wrote a string value's escaped text one character at a
 # time (`oss << c`: a stream insertion per byte), after copying the value's parts and joining them
 # (`as_string().str()`), and inserted empty strings for the indentation and line breaks of compact
@@ -3135,6 +3158,8 @@ def main(argv: list[str]) -> int:
             probed[rel] = probed.get(rel, []) + edits
         probed["common/chat.cpp"] = probed.get("common/chat.cpp", []) + normalize_move_edits(tree, notes)
         probed["common/chat.cpp"] += shared_analysis_edits(tree, notes)
+        schema_rel = "common/json-schema-to-grammar.cpp"
+        probed[schema_rel] = probed.get(schema_rel, []) + trie_guard_edits(tree, notes)
         handlers = no_gen_reuse_rewrites(tree, notes, handlers, probed)
         rewrites = apply_rewrites(tree, out, notes, engine_rewrites, handlers, probed)
         server_chat_params_check(tree)

@@ -35,6 +35,16 @@ static void llamaprompt_schema_visit() {
     llamaprompt_schema_step();
 }
 
+// each node of _not_strings' trie of property names (one level per character): the stack guard,
+// and the time budget every 256 nodes
+static void llamaprompt_schema_trie_step() {
+    llamaprompt::jinja_guard_stack("JSON schema property names");
+    static thread_local unsigned nodes = 0;
+    if ((++nodes & 255) == 0) {
+        llamaprompt_schema_step();
+    }
+}
+
 // each character of a pattern being converted: the time budget every 256
 static void llamaprompt_schema_tick() {
     static thread_local unsigned ticks = 0;
