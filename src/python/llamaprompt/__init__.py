@@ -10,8 +10,6 @@ receive -- with no model weights, no server and no GPU.
     '<|im_start|>user\\nHello<|im_end|>\\n<|im_start|>assistant\\n'
 """
 
-from __future__ import annotations
-
 import logging as _logging
 
 from . import cores as _cores
