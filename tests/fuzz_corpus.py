@@ -45,7 +45,7 @@ SNIPPETS = [
     b"{{ ns_k.f() if ns_k is defined and ns_k.f }}{{ sx if sx is defined }}",
     b"{% for q in [] %}{% else %}{% set sx = 3 %}{% endfor %}",
     # one string literal run twice, its values compared as objects (`sameas`: by address), by name
-    # and by a computed test name (the literal_value engine rewrite)
+    # and by a computed test name (a dropped rewrite that shared literal values: docs/performance.md)
     b"{% set ns_s = namespace(l=[]) %}{% for q in [1, 2] %}{% set ns_s.l = ns_s.l + ['lit'] %}{% endfor %}"
     b"{{ ns_s.l[0] is sameas ns_s.l[1] }}{{ ns_s.l|select('same' ~ 'as', ns_s.l[0])|list|length }}",
     b"\x00",

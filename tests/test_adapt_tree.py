@@ -636,7 +636,7 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
     engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 69
+    assert len(engine) == 65
     skipped = [r for r in engine if not r["applied"]]
     # (and, on a tree whose schema converter never copied its rules -- 0.3.35's -- that group)
     schema = tree / "common" / "json-schema-to-grammar.cpp"

@@ -661,47 +661,12 @@ def _after_first_line(text: str, insert: str) -> str:
 
 STATEMENT_LOST = "a syntax tree ~10^5 deep (a long operator chain) overflows the stack when freed (the process dies)"
 
-# A string literal built a new string value (a string part, its text copied) each time it ran:
-# every `'<|im_start|>'`, `'\n'` or `'assistant'` of a loop's body, once per message. String
-# values are immutable (no code changes a string value once made: its text is only read, copied
-# into new values, or printed), so the value a literal made is returned again the next time the
-# same node runs on the thread, while it holds the node's text (checked each time: a node freed
-# and another made at its address with other text makes a new value). Kept for 256 nodes per
-# thread (slot by address), literals of up to 4 KiB; not while the engine records capability
-# statistics (`is_get_stats`: the template analysis marks the values it sees). Only where the
-# template cannot tell two values from one: llama.cpp's `sameas` test compares string values by
-# address, so a template that can call it (src/cpp/template.cpp may_compare_identity: the source
-# names sameas, select, reject, selectattr or rejectattr) gets a new value per run, as upstream
-# (the call's budget says which: jinja_literals_shared(), false outside llamaprompt's calls).
-LITERAL_VALUE = "string literal: the value it made last on this thread returned again, not a new one per run"
-LITERAL_HEAD = "struct string_literal : public expression {\n"
-LITERAL_HELPER = """// llamaprompt (an engine rewrite, see adapt_tree.py LITERAL_VALUE): a string literal's value,
-// the one this node made last on this thread while it holds the node's text
-inline value llamaprompt_literal_value(const void * node, const std::string & text, bool fresh) {
-    if (fresh || text.size() > 4096 || !::llamaprompt::jinja_literals_shared()) {
-        return mk_val<value_string>(text);
-    }
-    struct slot {
-        const void * node = nullptr;
-        value val;
-    };
-    static thread_local slot slots[256];
-    slot & s = slots[(reinterpret_cast<uintptr_t>(node) >> 4) & 255];
-    if (s.node == node && s.val) {
-        const auto & parts = static_cast<const value_string_t &>(*s.val).val_str.parts;
-        if (parts.size() == 1 && !parts[0].is_input && parts[0].val == text) {
-            return s.val;
-        }
-    }
-    s.val = mk_val<value_string>(text);
-    s.node = node;
-    return s.val;
-}
-
-"""
-LITERAL_SIGNATURE = ("    std::string type() const override { return \"StringLiteral\"; }\n"
-                     "    value execute_impl(context &)")
-LITERAL_BODY = "        return mk_val<value_string>(val);\n"
+# Not rewritten: a string literal builds a new string value each time it runs. Returning the value
+# the node made last (values are immutable) saved 1-2% of a request, but llama.cpp's `sameas` test
+# compares string values by address, and a template can reach it without naming it (a list's
+# built-ins by a computed subscript, `l['sel' ~ 'ect']('same' ~ 'as', x)`, or names from the
+# request): two runs of one literal would compare as the same object where upstream says they are
+# not (found by a session's trial; tests/test_engine_rewrites.py keeps those cases).
 
 BUILTIN_MISS = "member access by name: no undefined value built and dropped when the name is no built-in"
 
@@ -1256,14 +1221,6 @@ HEADER_REWRITES = [
 """, speed="string equality (object-key lookups): no copies of single-part strings"),
     ]),
     Rewrite("common/jinja/runtime.h", "", [
-        # a string literal's value made once per node and thread (LITERAL_VALUE above)
-        Edit("#pragma once\n", "#pragma once\nnamespace llamaprompt { bool jinja_literals_shared() noexcept; }"
-             "  // llamaprompt: jinja_guard.h\n", speed=LITERAL_VALUE, group="literal_value"),
-        Edit(LITERAL_HEAD, LITERAL_HELPER + LITERAL_HEAD, speed=LITERAL_VALUE, group="literal_value"),
-        Edit(LITERAL_SIGNATURE, LITERAL_SIGNATURE.replace("&)", "& llamaprompt_ctx)"), speed=LITERAL_VALUE,
-             group="literal_value"),
-        Edit(LITERAL_BODY, "        return llamaprompt_literal_value(this, val, llamaprompt_ctx.is_get_stats);\n",
-             speed=LITERAL_VALUE, group="literal_value"),
         # a syntax tree released iteratively (STATEMENT_DELETER above)
         Edit(STATEMENT_FWD, STATEMENT_DELETER, requires=("common/jinja/runtime.h", "std::unique_ptr<statement>"),
              lost=STATEMENT_LOST),

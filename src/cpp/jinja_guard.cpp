@@ -30,7 +30,6 @@ struct guard_state {
     uintptr_t stack_low = 0;    // the lowest address of the thread's stack (0: unknown)
     uint32_t steps = 0;
     size_t work = 0;  // jinja_guard_work's bytes since its last clock check
-    bool share_literals = false;
 };
 thread_local guard_state own_state;
 guard_state & own() noexcept { return own_state; }
@@ -107,7 +106,7 @@ void check_time(const char * activity = "template execution") {
 
 jinja_budget::jinja_budget(const jinja_limits & limits)
     : prev_deadline_(current().deadline), prev_max_bytes_(current().max_bytes),
-      prev_seconds_(current().budget_seconds), prev_share_literals_(current().share_literals) {
+      prev_seconds_(current().budget_seconds) {
     guard_state & g = current();
     g.budget_seconds = limits.seconds;
     // more than ~30 years (or inf) would overflow the clock: no deadline
@@ -115,7 +114,6 @@ jinja_budget::jinja_budget(const jinja_limits & limits)
                      ? clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(limits.seconds))
                      : clock::time_point::max();
     g.max_bytes = limits.max_bytes;
-    g.share_literals = limits.share_literals;
 }
 
 jinja_budget::~jinja_budget() {
@@ -123,10 +121,7 @@ jinja_budget::~jinja_budget() {
     g.deadline = prev_deadline_;
     g.max_bytes = prev_max_bytes_;
     g.budget_seconds = prev_seconds_;
-    g.share_literals = prev_share_literals_;
 }
-
-bool jinja_literals_shared() noexcept { return current().share_literals; }
 
 uint64_t jinja_guard_fired() { return current().fired; }
 

@@ -28,10 +28,6 @@ namespace llamaprompt {
 struct jinja_limits {
     double seconds = 10.0;              // <= 0: no time limit
     size_t max_bytes = size_t(64) << 20;  // 0: no size limit
-    // a string literal's value may be returned again by later runs of the same node (the
-    // literal_value engine rewrite): only for a template that cannot compare values as objects
-    // (template.cpp may_compare_identity)
-    bool share_literals = false;
 };
 
 class jinja_budget {
@@ -45,7 +41,6 @@ class jinja_budget {
     std::chrono::steady_clock::time_point prev_deadline_;
     size_t prev_max_bytes_;
     double prev_seconds_;
-    bool prev_share_literals_;
 };
 
 // how many times a guard fired on this thread (so far); results computed while one fired
@@ -63,10 +58,6 @@ std::string jinja_guard_last_message();
 
 // bytes of the calling thread's stack left below the caller's frame (SIZE_MAX: unknown)
 size_t stack_left();
-
-// whether the budget in force lets string literals share their values (jinja_limits::share_literals;
-// false outside a budget)
-bool jinja_literals_shared() noexcept;
 
 // statement::execute: stack and time
 void jinja_guard_step();

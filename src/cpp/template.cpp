@@ -160,20 +160,6 @@ json chat_params_to_json(const common_chat_params & p) {
     return out;
 }
 
-// Whether a template can compare two values as objects: llama.cpp's `sameas` test compares string
-// values by address, so two runs of one string literal must give two values where it can be
-// called. A test is named in the source (`x is sameas y`) or by a string given to select, reject,
-// selectattr or rejectattr (which may be computed: any use of those filters counts). Read from
-// the source text, comments included. The literal_value engine rewrite applies to the others.
-static bool may_compare_identity(const std::string & source) {
-    for (const char * word : {"sameas", "select", "reject"}) {
-        if (source.find(word) != std::string::npos) {
-            return true;
-        }
-    }
-    return false;
-}
-
 // Run `fn` under a jinja_budget. An exception raised while a budget guard fired is a
 // TemplateError (500) with upstream's message, whatever upstream wrapped it in (the
 // autoparser path rethrows template failures as std::invalid_argument, a 400).
@@ -633,9 +619,6 @@ class core_template {
                 handler_state st = handler_;
                 scoped_handler in_force(st);
                 opt_ = make_server_chat_params(params, std::move(tmpls));
-                // (the load's own renders above ran without: the default)
-                limits_.share_literals =
-                    !may_compare_identity(this->source("")) && !may_compare_identity(this->source("tool_use"));
                 // forced caps apply to requests; the load-time probe above (whether the
                 // template supports thinking) ran with the detected ones, so forcing caps
                 // never makes loading fail -- a request that breaks under them fails instead
