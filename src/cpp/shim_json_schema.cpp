@@ -35,22 +35,19 @@ static void llamaprompt_schema_visit() {
     llamaprompt_schema_step();
 }
 
-// each node of _not_strings' trie of property names (one level per character): the stack guard,
-// and the time budget every 256 nodes
-static void llamaprompt_schema_trie_step() {
-    llamaprompt::jinja_guard_stack("JSON schema property names");
-    static thread_local unsigned nodes = 0;
-    if ((++nodes & 255) == 0) {
-        llamaprompt_schema_step();
-    }
-}
-
-// each character of a pattern being converted: the time budget every 256
+// each character of a pattern being converted (and each trie node below): the time budget every 256
 static void llamaprompt_schema_tick() {
     static thread_local unsigned ticks = 0;
     if ((++ticks & 255) == 0) {
         llamaprompt_schema_step();
     }
+}
+
+// each node of _not_strings' trie of property names (one level per character): the stack guard,
+// and the time budget every 256 ticks
+static void llamaprompt_schema_trie_step() {
+    llamaprompt::jinja_guard_stack("JSON schema property names");
+    llamaprompt_schema_tick();
 }
 
 #include "json-schema-to-grammar.cpp"  // the generated copy
