@@ -267,7 +267,7 @@ def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
     # the stop point, on the generation prompt's own line (line numbers kept by #line 1)
     assert copy.splitlines()[1] == "#line 1"
     original = (tree / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()
-    stop = [i for i, x in enumerate(copy.splitlines()[2:]) if "llamaprompt_prompt_ready(data.prompt, __func__);" in x]
+    stop = [i for i, x in enumerate(copy.splitlines()[2:]) if PROMPT_READY in x]
     assert len(stop) == 1 and "data.generation_prompt" in original[stop[0]]
     ling3 = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "ling3.cpp").read_text()
     assert "llamaprompt_prompt_ready(" not in ling3
@@ -288,14 +288,16 @@ def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
     assert line.startswith(
         "    if (llamaprompt_prompt_stop_armed(__func__)) { if (inputs.add_generation_prompt && "
         'string_ends_with(data.prompt, "<turn|>\\n")) { data.generation_prompt = "<|turn>model\\n"; '
-        "data.prompt += data.generation_prompt; } llamaprompt_prompt_stop(data.prompt); } "
+        "data.prompt += data.generation_prompt; } llamaprompt_prompt_stop(data.prompt); return data; } "
     )
     assert "llamaprompt_prompt_ready(" not in gemma4
 
 
 LING3 = "common/parsers/ling3.cpp"
 LING3_GEN = "    data.generation_prompt = common_chat_template_generation_prompt_impl(tmpl, inputs);\n"
-LING3_STOP = "llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__);"
+LING3_STOP = "if (llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__)) { return data; }"
+# the stop point before the generation prompt: the handler returns its params there when it says so
+PROMPT_READY = "if (llamaprompt_prompt_ready(data.prompt, __func__)) { return data; } "
 # edits of ling3 after its generation prompt as upstream might write them; whether the probe
 # keeps its stop point after the generation prompt, and the reason given when not
 LING3_EDITS = [
@@ -635,8 +637,11 @@ def test_engine_rewrites_are_optional_and_can_be_left_out(tree, tmp_path):
     proc = _run(tree, tmp_path)
     assert proc.returncode == 0, proc.stderr
     info = _info(tmp_path)
-    engine = [r for r in info["rewrites"] if r.get("engine") and not r["engine"].startswith("generation prompt")]
-    assert len(engine) == 65
+    engine = [
+        r for r in info["rewrites"]
+        if r.get("engine") and not r["engine"].startswith(("generation prompt", "the template source's marker"))
+    ]
+    assert len(engine) == 66
     skipped = [r for r in engine if not r["applied"]]
     # (and, on a tree whose schema converter never copied its rules -- 0.3.35's -- that group)
     schema = tree / "common" / "json-schema-to-grammar.cpp"
@@ -1007,7 +1012,8 @@ def test_generator_probe_on_the_tree(tree, tmp_path):
     copy = (tmp_path / "out" / "generated" / "mirror" / GENERATOR).read_text().splitlines()
     original = (tree / GENERATOR).read_text().splitlines()
     assert copy[1] == "#line 1"
-    stop = [i for i, x in enumerate(copy[2:]) if "llamaprompt_prompt_ready(data.prompt, nullptr);" in x]
+    ready = "if (llamaprompt_prompt_ready(data.prompt, nullptr)) { return data; }"
+    stop = [i for i, x in enumerate(copy[2:]) if ready in x]
     assert len(stop) == 1 and original[stop[0]] + "\n" == BUILD_PARSER
     # compiled into _core, not again in llama-common
     assert GENERATOR in (tmp_path / "out" / "lp_tree.cmake").read_text()
@@ -1147,7 +1153,7 @@ def test_no_generation_prompt_render_reuse_on_the_tree(handler_tree, tmp_path):
     copy = (tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()
     at = next(i for i, x in enumerate(copy) if GUARD in x)
     assert copy[at].startswith("    data.prompt            = common_chat_template_direct_apply_impl(tmpl, inputs);")
-    assert copy[at + 1].startswith("    llamaprompt_prompt_ready(data.prompt, __func__); data.generation_prompt")
+    assert copy[at + 1].startswith("    " + PROMPT_READY + "data.generation_prompt")
     assert len(copy) == len((tree / "common" / "parsers" / "kimi-k3.cpp").read_text().splitlines()) + 2
 
 
@@ -1271,3 +1277,76 @@ def test_member_access_builtin_miss_rewrite_is_all_or_nothing(tree, tmp_path):
           "        if (!val->is_undefined()) {\n            return val;")
     assert _run(tree, tmp_path).returncode == 0
     assert "llamaprompt_null_on_missing" not in (tmp_path / "out").joinpath(*RUNTIME_COPY).read_text()
+
+
+def _source_searches(chat: str) -> list[str]:
+    """The `src.find("...")` calls of chat.cpp's handler choice and of the function that calls it
+    (the source_finds rewrite), read off the tree's text: from the choice's definition to the end
+    of common_chat_templates_apply_jinja, which follows it in both trees."""
+    start = chat.index("common_chat_try_specialized_template(\n")
+    end = chat.index("\n}\n", chat.index("common_chat_templates_apply_jinja(const struct"))
+    return re.findall(r'(?<![\w.])src\.find\("(?:[^"\\\n]|\\.)*"\)', chat[start:end])
+
+
+def _searched_elsewhere(chat: str, searches: list[str]) -> list[str]:
+    """The searches whose text is also a `src.find` call outside those functions."""
+    return [s for s in searches if len(re.findall(r"(?<![\w.])" + re.escape(s), chat)) > searches.count(s)]
+
+
+def test_the_template_source_searches_are_rewritten_and_other_strings_searches_are_not(tree, tmp_path):
+    chat_in = (tree / "common" / "chat.cpp").read_text()
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    chat_out = (tmp_path / "out" / "generated" / "chat.cpp").read_text()
+    searches = _source_searches(chat_in)
+    assert len(searches) > 15
+    rewritten = chat_out.count("llamaprompt_source_find(tmpl, src, ")
+    # a literal also searched outside those functions (0.3.35's is_lfm2_template) keeps its call
+    shared = _searched_elsewhere(chat_in, searches)
+    assert rewritten == len(searches) - len(shared)
+    # `default_template_src.find("<|channel|>")` (common_chat_templates_init) is another string's
+    # search: left as it is
+    assert chat_out.count("default_template_src.find(") == chat_in.count("default_template_src.find(") > 0
+    records = [r for r in _info(tmp_path)["rewrites"] if (r.get("engine") or "").startswith("the template source's")]
+    assert records and all(r["applied"] for r in records)
+
+
+def test_a_source_search_that_is_not_a_literal_is_left_with_a_note(tree, tmp_path):
+    chat = tree / "common" / "chat.cpp"
+    call = next(s for s in _source_searches(chat.read_text()) if "<|open|>" in s)
+    _edit(chat, call, "src.find(std::string(\"<|open|>\"))")
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = _info(tmp_path)
+    assert any("marker search" in n and "not `src.find(" in n for n in info["notes"]), info["notes"]
+    chat_in = chat.read_text()
+    chat_out = (tmp_path / "out" / "generated" / "chat.cpp").read_text()
+    assert 'src.find(std::string("<|open|>"))' in chat_out
+    # the other searches are still rewritten
+    searches = _source_searches(chat_in)
+    shared = _searched_elsewhere(chat_in, searches)
+    assert chat_out.count("llamaprompt_source_find(tmpl, src, ") == len(searches) - len(shared) > 15
+
+
+def _result_declared_otherwise(path: Path) -> None:
+    # the same result, declared in a way the probe does not read as `common_chat_params data;`
+    _edit(path, "    common_chat_params data;\n", "    common_chat_params data{};\n")
+
+
+def _result_declared_in_a_block(path: Path) -> None:
+    # the declaration and the code up to the stop point in a block of their own: `return data;`
+    # at the stop point could not return it
+    text = path.read_text()
+    decl, stop = text.index("    common_chat_params data;\n"), text.index("    data.generation_prompt")
+    path.write_text(text[:decl] + "    {\n" + text[decl:stop] + "    }\n" + text[stop:])
+
+
+@pytest.mark.parametrize("change", [_result_declared_otherwise, _result_declared_in_a_block])
+def test_a_handler_whose_result_the_stop_point_cannot_return_has_none(handler_tree, tmp_path, change):
+    path = handler_tree / "common" / "parsers" / "kimi-k3.cpp"
+    change(path)
+    assert _run(handler_tree, tmp_path).returncode == 0
+    verdict = _info(tmp_path)["prompt_only_handlers"]["common_chat_params_init_kimi_k3"]
+    assert "common_chat_params data` declared at its top level" in verdict
+    copy = tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp"
+    assert not copy.exists() or "llamaprompt_prompt_ready(" not in copy.read_text()

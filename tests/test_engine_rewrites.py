@@ -293,6 +293,10 @@ def test_a_string_literal_always_gives_its_own_text(source, expected):
     ids=["sameas", "select-computed", "subscript-computed"],
 )
 def test_runs_of_one_literal_are_different_objects_where_a_template_can_tell(source, expected):
+    try:
+        llamaprompt.ChatTemplate("{{ 'a' is sameas 'a' }}").apply_template(HI)
+    except llamaprompt.TemplateError as e:  # 0.3.35's engine: "sameas test not implemented"
+        pytest.skip(f"this tree's engine has no sameas test: {e}")
     t = llamaprompt.ChatTemplate(source)
     assert [t.apply_template(HI) for _ in range(3)] == [expected] * 3
 
@@ -319,3 +323,22 @@ def test_string_literals_on_two_threads():
     with ThreadPoolExecutor(2) as pool:
         assert list(pool.map(t.apply_template, requests)) == expected
     assert t.apply_template_many(requests, threads=2) == expected
+
+
+# llama.cpp trims message contents for a template whose source holds this text (StepFun's,
+# common_chat_templates_apply_jinja); the search of the source is kept per template (the
+# source_finds rewrite). Two templates of the same length, made and freed in turn (the second
+# comes back where the first was): each gets its own answer.
+STEPFUN_MARKER = "You have access to the following functions in JSONSchema format"
+
+
+def test_each_template_answers_its_own_source_searches():
+    body = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    marked = "{#- " + STEPFUN_MARKER + " -#}" + body
+    unmarked = marked.replace("JSONSchema", "JSONSchemb")
+    request = {"messages": [{"role": "user", "content": "  hi  "}]}
+    for _ in range(50):
+        for source, expected in ((marked, "[hi]"), (unmarked, "[  hi  ]")):
+            t = llamaprompt.ChatTemplate(source)
+            assert [t.apply_template(request) for _ in range(2)] == [expected] * 2
+            del t

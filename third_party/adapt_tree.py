@@ -668,6 +668,7 @@ STATEMENT_LOST = "a syntax tree ~10^5 deep (a long operator chain) overflows the
 # request): two runs of one literal would compare as the same object where upstream says they are
 # not (found by a session's trial; tests/test_engine_rewrites.py keeps those cases).
 
+STRING_APPEND = "string append: the other string's parts inserted as one range, not pushed one by one"
 BUILTIN_MISS = "member access by name: no undefined value built and dropped when the name is no built-in"
 
 REWRITES = [
@@ -779,6 +780,18 @@ REWRITES = [
     # from a copy (src/cpp/shim_jinja_caps.cpp) so that they see the mirrored runtime.h, whose
     # value printing passes through the stack guard (OUTPUT_OF_VALUE)
     Rewrite("common/jinja/caps.cpp", "jinja-caps.cpp", []),
+    # a string's parts appended to another's: one insert of the range (the vector grows once, to
+    # at least twice its size as push_back would) instead of a push_back per part, which grew it
+    # part by part -- printing a macro's or a loop's output appends its many parts
+    Rewrite("common/jinja/string.cpp", "jinja-string.cpp", [
+        Edit("""    for (const auto & part : other.parts) {
+        parts.push_back(part);
+    }
+    return *this;
+""", """    parts.insert(parts.end(), other.parts.begin(), other.parts.end());  // llamaprompt: an engine rewrite
+    return *this;
+""", speed=STRING_APPEND),
+    ]),
     Rewrite("common/jinja/parser.cpp", "jinja-parser.cpp", [
         Edit("return parse_jinja_statement()", "return llamaprompt::jinja_guard_step(), parse_jinja_statement()"),
         Edit("return parse_if_expression()", "return llamaprompt::jinja_guard_step(), parse_if_expression()"),
@@ -2281,15 +2294,32 @@ HANDLER_DIR = "common/parsers"
 HANDLER_DEF = re.compile(r"common_chat_params\s+(common_chat_params_init_\w+)\s*\([^)]*\)\s*\{")
 STOP_STATEMENT = re.compile(r"\bdata\.generation_prompt\s*=(?!=)")
 CONTINUATION_BLOCK = re.compile(r"if\s*\(\s*inputs\.has_continuation\(\)\s*\)\s*\{")
-PROMPT_READY = "llamaprompt_prompt_ready(data.prompt, __func__); "
+PROMPT_READY = "if (llamaprompt_prompt_ready(data.prompt, __func__)) { return data; } "
 # A handler whose code after the prompt reads the generation prompt as well (ling3 and minimax-m3
 # look for an unclosed think tag in it) stops right after the generation prompt's own statement
 # instead, when that statement is its render alone: the code after it then depends on the keyed
 # inputs and the generation prompt only, and the memo's key holds both (src/cpp/shim_chat.cpp
 # llamaprompt_prompt_ready_after). Its two renders still run; the parser and grammar do not.
-PROMPT_READY_AFTER = " llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__);"
+PROMPT_READY_AFTER = (" if (llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__)) "
+                      "{ return data; }")
 PROMPT_ONLY_AFTER = "prompt-only after its generation prompt"
 IDENT = r"(?<![.>:\w])[A-Za-z_]\w*\b"
+# a stop point returns the function's result where it is (`return data;`): the result must be a
+# `common_chat_params data` declared at the function's top level, and the stop point there too
+RESULT_DECL = re.compile(r"(?:^|[;{}])\s*common_chat_params\s+data\s*;")
+
+
+def _return_problems(body: str, at: int) -> list[str]:
+    """Why ``return data;`` at offset ``at`` of a function ``body`` (code_only) would not return
+    the function's result (empty: it would)."""
+    before = body[:at]
+    if before.count("{") != before.count("}"):
+        return ["its stop point would not be at its top level"]
+    for m in RESULT_DECL.finditer(before):
+        head = before[:m.end()]
+        if head.count("{") == head.count("}"):
+            return []
+    return ["its result is not a `common_chat_params data` declared at its top level"]
 # names that are not a handler's locals (keywords, types, its parameters and result)
 NOT_LOCALS = {"auto", "const", "static", "constexpr", "bool", "int", "size_t", "if", "else", "for", "while",
               "return", "true", "false", "nullptr", "std", "json", "ordered_json", "string", "data", "inputs", "tmpl"}
@@ -2480,7 +2510,7 @@ FIXUP_STATEMENTS = (
     re.compile(r'\s*data\s*\.\s*prompt\s*\+=\s*(?:"[ ]*"\s*)+'),
 )
 FIXUP_ARMED = "if (llamaprompt_prompt_stop_armed(__func__)) { "
-FIXUP_READY = " llamaprompt_prompt_stop(data.prompt); } "
+FIXUP_READY = " llamaprompt_prompt_stop(data.prompt); return data; } "
 
 
 def _prompt_fixup(body: str, stop: re.Match) -> tuple[tuple[int, int] | None, list[str]]:
@@ -2631,6 +2661,7 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
                 # it is a problem of both stop points: said once)
                 more = [p for p in after_problems if p not in problems]
                 problems.append("after its generation prompt: " + ("; ".join(more) if more else "the same"))
+            problems += _return_problems(body, at - open_at - 1)
             if problems:
                 verdicts[name] = "; ".join(problems)
                 continue
@@ -2661,7 +2692,7 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
 GENERATOR = "common/chat-auto-parser-generator.cpp"
 GENERATOR_DEF = re.compile(r"common_chat_params\s+peg_generator\s*::\s*generate_parser\s*\([^)]*\)\s*\{")
 GENERATOR_STOP = re.compile(r"\bauto\s+parser\s*=\s*autoparser\s*\.\s*build_parser\s*\(\s*inputs\s*,\s*(\w+)\s*\)\s*;")
-GENERATOR_READY = "llamaprompt_prompt_ready(data.prompt, nullptr); "
+GENERATOR_READY = "if (llamaprompt_prompt_ready(data.prompt, nullptr)) { return data; } "
 # the autoparser's other sources: none may read the continued message (the parser is built from
 # the key's inputs and the generation prompt only)
 AUTOPARSER_SOURCES = ("common/chat-auto-parser-generator.cpp", "common/chat-auto-parser-helpers.cpp",
@@ -2692,6 +2723,8 @@ def _generator_problems(tree: Tree, code: str, raw: str) -> tuple[list[str], int
     problems = []
     if before.count("{") != before.count("}"):
         problems.append("the parser is not built at the function's top level")
+    else:
+        problems += _return_problems(before, len(before))
     if not re.search(r"\b" + copy + r"\s*=\s*data\s*\.\s*generation_prompt\s*;", before):
         problems.append(f"'{copy}' is not a copy of the generation prompt")
     if len(re.findall(r"\b" + copy + r"\b", before)) != 1 or len(re.findall(r"\b" + copy + r"\b", after)) != 1:
@@ -2781,6 +2814,66 @@ def handler_choice_problems(tree: Tree) -> list[str]:
         if not re.search(r"\breturn\s+common_chat_params_init_\w+\s*\([^;]*\)\s*;\s*$", rest[open_at + 1:end]):
             problems.append("a branch does not end by returning a handler's result")
         i += end + 1
+
+
+# chat.cpp tests the template's source for marker texts, `src.find("...")`, in
+# common_chat_templates_apply_jinja (two per request) and common_chat_try_specialized_template (the
+# chain that picks a specialized handler: up to ~20 searches of the whole source per request, some
+# 15% of a request on a long template that takes a late handler). What a search finds is the same
+# for as long as the template lives: llamaprompt_source_find (src/cpp/shim_chat.cpp) keeps each
+# position in the ChatTemplate's memo, keyed by the template and the literal, where `src` is that
+# template's own source (checked at run time; anything else is searched as before). Each call
+# `src.find("literal")` in those two functions is rewritten, when every copy of its text in the
+# file is in them and a `tmpl` (the template) is declared there; other calls are left as they are.
+SOURCE_FINDS = "the template source's marker searches: each position found once per template, not per request"
+SOURCE_FIND_FUNCTIONS = (
+    ("common_chat_try_specialized_template", HANDLER_CHOICE_DEF),
+    ("common_chat_templates_apply_jinja",
+     re.compile(r"common_chat_params\s+common_chat_templates_apply_jinja\s*\([^)]*\)\s*\{")),
+)
+SOURCE_FIND_CALL = re.compile(r'src\.find\(\s*("(?:[^"\\\n]|\\.)*")\s*\)')
+SOURCE_FIND_TMPL = re.compile(r"\bcommon_chat_template\s*&\s*tmpl\b|\bauto\s*&\s*tmpl\s*=")
+
+
+def source_find_edits(tree: Tree, notes: list[str]) -> list[Edit]:
+    """The chat.cpp edits that keep the template source's marker searches (SOURCE_FINDS)."""
+    rel = "common/chat.cpp"
+    text = tree.read(rel)
+    code = code_only(text)
+    spans, missing = [], []
+    for name, definition in SOURCE_FIND_FUNCTIONS:
+        m = definition.search(code)
+        close = _block_end(code, m.end() - 1) if m else -1
+        if not m or not SOURCE_FIND_TMPL.search(code[m.start():close]):
+            missing.append(name)
+            continue
+        spans.append((m.end(), close))
+    # each call's text with the character before it (not part of a name: `default_template_src.find(`
+    # is another string's search), which every copy of that text in the file must be a call in them
+    calls: dict[str, list[bool]] = {}
+    left = 0
+    for m in re.finditer(r"(?<![\w.>:])src\.find\(", code):
+        inside = any(start <= m.start() < end for start, end in spans)
+        call = SOURCE_FIND_CALL.match(text, m.start())
+        if call is None or m.start() == 0:
+            left += inside
+            continue
+        calls.setdefault(text[m.start() - 1] + call.group(0), []).append(inside)
+    edits = []
+    for old, where in calls.items():
+        if all(where) and text.count(old) == len(where):
+            literal = SOURCE_FIND_CALL.match(old, 1).group(1)
+            edits.append(Edit(old, f"{old[0]}llamaprompt_source_find(tmpl, src, {literal})", count=len(where),
+                              speed=SOURCE_FINDS))
+        else:
+            left += sum(where)
+    if missing or left or not edits:
+        what = [f"{', '.join(missing)} not found with a `tmpl`"] if missing else []
+        what += [f"{left} of its searches are not `src.find(\"literal\")` only in those functions"] if left else []
+        notes.append(f"{rel}: engine rewrite not applied to every marker search of the template source "
+                     f"({'; '.join(what) or 'none found'}): those search the source for each request "
+                     f"(slower: {SOURCE_FINDS})")
+    return edits
 
 
 def _incomplete_groups(text: str, edits: list[Edit], engine_rewrites: bool) -> set[str]:
@@ -3115,6 +3208,7 @@ def main(argv: list[str]) -> int:
             probed[rel] = probed.get(rel, []) + edits
         probed["common/chat.cpp"] = probed.get("common/chat.cpp", []) + normalize_move_edits(tree, notes)
         probed["common/chat.cpp"] += shared_analysis_edits(tree, notes)
+        probed["common/chat.cpp"] += source_find_edits(tree, notes)
         schema_rel = "common/json-schema-to-grammar.cpp"
         probed[schema_rel] = probed.get(schema_rel, []) + trie_guard_edits(tree, notes)
         handlers = no_gen_reuse_rewrites(tree, notes, handlers, probed)

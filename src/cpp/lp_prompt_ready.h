@@ -1,11 +1,12 @@
 // The prompt-only stop point of llama.cpp's specialized chat handlers. adapt_tree.py
-// (handler_rewrites) inserts `llamaprompt_prompt_ready(data.prompt, __func__);` into the
-// build-tree copy of a handler's file (common/parsers/*.cpp), just before the handler
+// (handler_rewrites) inserts `if (llamaprompt_prompt_ready(data.prompt, __func__)) { return data; }`
+// into the build-tree copy of a handler's file (common/parsers/*.cpp), just before the handler
 // computes its generation prompt -- only in handlers whose remaining code provably depends
-// on no message and leaves the prompt as it is. Outside a prompt-only call it only records
-// the handler's name (for describe()); in one (src/cpp/shim_chat.cpp,
-// llamaprompt_try_specialized_template) it ends the handler there, with this prompt, by
-// throwing llamaprompt::prompt_ready.
+// on no message and leaves the prompt as it is, and whose result is a `common_chat_params data`
+// declared at its top level. Outside a prompt-only call it only records the handler's name (for
+// describe()) and returns false; in one (src/cpp/shim_chat.cpp, llamaprompt_try_specialized_template)
+// it returns true and marks the call stopped: the handler returns its params at once, and the
+// caller takes their prompt.
 // The autoparser's generate_parser (common/chat-auto-parser-generator.cpp) gets the same call,
 // with a null name, just before it builds its parser (adapt_tree.py generator_rewrite): the
 // prompt-only path of requests that continue the final message or turn add_generation_prompt off.
@@ -13,25 +14,26 @@
 
 #include <string>
 
-void llamaprompt_prompt_ready(const std::string & prompt, const char * handler);
+bool llamaprompt_prompt_ready(const std::string & prompt, const char * handler);
 
 // The same stop point in a handler whose prompt ends with a fix-up block after the generation
 // prompt (adapt_tree.py _prompt_fixup: gemma4 appends the model's turn opener to a prompt that
 // ends a turn). The build-tree copy puts, just before the generation prompt's line,
-//   if (llamaprompt_prompt_stop_armed(__func__)) { <a copy of the block> llamaprompt_prompt_stop(data.prompt); }
+//   if (llamaprompt_prompt_stop_armed(__func__)) { <a copy of the block> llamaprompt_prompt_stop(data.prompt); return data; }
 // llamaprompt_prompt_stop_armed records the handler's name as llamaprompt_prompt_ready does and
-// says whether this call stops at the prompt; llamaprompt_prompt_stop then always ends the
-// handler with the prompt (the block's copy never runs on the full path).
+// says whether this call stops at the prompt; llamaprompt_prompt_stop then marks the call stopped
+// (the block's copy never runs on the full path).
 bool llamaprompt_prompt_stop_armed(const char * handler);
-[[noreturn]] void llamaprompt_prompt_stop(const std::string & prompt);
+void llamaprompt_prompt_stop(const std::string & prompt);
 
 // The stop point of a handler whose code after the prompt reads the generation prompt too
 // (adapt_tree.py PROMPT_READY_AFTER: ling3 and minimax-m3 look for an unclosed think tag in it),
-// put right after the generation prompt's statement when that is its render alone. In a
-// prompt-only call it ends the handler with `prompt` once these non-message inputs *and this
-// generation prompt* produced the handler's params without error; otherwise it records that
-// key, added to the memo when the handler finishes (src/cpp/shim_chat.cpp).
-void llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
+// put right after the generation prompt's statement when that is its render alone, as
+// `if (llamaprompt_prompt_ready_after(...)) { return data; }`. In a prompt-only call it returns
+// true (the handler returns, its prompt taken) once these non-message inputs *and this generation
+// prompt* produced the handler's params without error; otherwise it records that key, added to the
+// memo when the handler finishes (src/cpp/shim_chat.cpp), and returns false.
+bool llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
                                     const char * handler);
 
 // The prompt's render handed to the generation prompt (adapt_tree.py no_gen_reuse_edits, an

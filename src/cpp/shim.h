@@ -50,6 +50,7 @@ struct handler_state {
     parser_memo * memo = nullptr;
     bool prompt_only_used = false;  // out: the prompt-only path was taken
     bool stop_at_prompt = false;    // a specialized handler ends at its prompt (lp_prompt_ready.h)
+    bool stopped = false;           // a stop point said "return now" (the params returned hold the prompt)
     const char * stop_point = nullptr;  // out: the specialized handler that passed its stop point
     // a stop point after the generation prompt (llamaprompt_prompt_ready_after): the memo key of
     // this call's non-message inputs while it may stop there, then the key with the generation

@@ -31,10 +31,6 @@ thread_local handler_state * current_handler = nullptr;
 }
 
 namespace llamaprompt {
-// thrown by llamaprompt_prompt_ready in a handler asked to stop at its prompt
-struct prompt_ready {
-    std::string prompt;
-};
 static std::string parser_inputs_key(const common_chat_template & tmpl, const autoparser::generation_params & p);
 static bool prompt_only_applies(const autoparser::generation_params & params);
 static bool prompt_only_possible();
@@ -46,37 +42,63 @@ static void memo_set_takes_handler(parser_memo & memo, const common_chat_templat
 }  // namespace llamaprompt
 
 namespace llamaprompt {
+// the prompt of the params a handler or generate_parser returned (a handler's through
+// common_chat_try_specialized_template's optional; null: none returned)
+static std::string * returned_prompt(common_chat_params & out) { return &out.prompt; }
+static std::string * returned_prompt(std::optional<common_chat_params> & out) { return out ? &out->prompt : nullptr; }
+
+// after a call that may have returned at its stop point: whether it did. Its params then hold
+// the prompt and whatever the code before the stop point set; `out` is reset to empty params (as
+// if the call had not returned) and `prompt` gets the prompt (which may be out's own)
+template <typename T> static bool took_stop_point(handler_state & st, T & out, std::string & prompt) {
+    std::string * returned = st.stopped ? returned_prompt(out) : nullptr;
+    st.stopped = false;
+    if (!returned) {
+        return false;
+    }
+    std::string text = std::move(*returned);
+    out = T{};
+    prompt = std::move(text);
+    return true;
+}
+
 // calls fn() (a handler, or generate_parser) with its prompt-only stop point armed
-// (lp_prompt_ready.h): true, with `prompt`, when it stopped there; false, with its result in
+// (lp_prompt_ready.h): true, with `prompt`, when it returned there; false, with its result in
 // `out`, when it has no stop point and ran in full
 template <typename T, typename F>
 static bool stopped_at_prompt(handler_state & st, F && fn, T & out, std::string & prompt) {
+    struct armed {
+        handler_state & st;
+        ~armed() { st.stop_at_prompt = false; }
+    } arm{st};
     st.stop_at_prompt = true;
-    try {
-        out = fn();
-    } catch (prompt_ready & ready) {
-        st.stop_at_prompt = false;
+    st.stopped = false;
+    out = fn();
+    if (took_stop_point(st, out, prompt)) {
         st.prompt_only_used = true;
-        prompt = std::move(ready.prompt);
         return true;
-    } catch (...) {
-        st.stop_at_prompt = false;
-        throw;
     }
-    st.stop_at_prompt = false;
     return false;
 }
 }  // namespace llamaprompt
 
-void llamaprompt_prompt_ready(const std::string & prompt, const char * handler) {
+// each stop point says "return now" by setting current_handler->stopped and returning true:
+// the build-tree copy then returns its params at once (`if (...) { return data; }`), which the
+// caller (stopped_at_prompt, llamaprompt_try_specialized_template) takes as a stop. Not an
+// exception: a throw and its unwinding cost more than the rest of a short handler's request.
+static bool stop_here(llamaprompt::handler_state & st) {
+    st.stop_at_prompt = false;
+    st.stopped = true;
+    return true;
+}
+
+bool llamaprompt_prompt_ready(const std::string & prompt, const char * handler) {
+    (void) prompt;  // the caller returns it in its params
     using llamaprompt::current_handler;
     if (current_handler && handler) {  // null: the autoparser's generate_parser, not a handler
         current_handler->stop_point = handler;
     }
-    if (current_handler && current_handler->stop_at_prompt) {
-        current_handler->stop_at_prompt = false;
-        throw llamaprompt::prompt_ready{prompt};
-    }
+    return current_handler && current_handler->stop_at_prompt && stop_here(*current_handler);
 }
 
 bool llamaprompt_prompt_stop_armed(const char * handler) {
@@ -88,32 +110,33 @@ bool llamaprompt_prompt_stop_armed(const char * handler) {
 }
 
 void llamaprompt_prompt_stop(const std::string & prompt) {
+    (void) prompt;
     if (llamaprompt::current_handler) {
-        llamaprompt::current_handler->stop_at_prompt = false;
+        stop_here(*llamaprompt::current_handler);
     }
-    throw llamaprompt::prompt_ready{prompt};
 }
 
-void llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
+bool llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
                                     const char * handler) {
+    (void) prompt;
     using namespace llamaprompt;
     handler_state * st = current_handler;
     if (!st) {
-        return;
+        return false;
     }
     if (handler) {
         st->stop_point = handler;
     }
     if (!st->key_before_generation_prompt || !st->memo) {
-        return;
+        return false;
     }
     std::string key = *st->key_before_generation_prompt + "\x1fgeneration_prompt:" + generation_prompt;
     st->key_before_generation_prompt = nullptr;  // one stop point per call
     if (memo_knows(*st->memo, key)) {
-        st->stop_at_prompt = false;
-        throw prompt_ready{prompt};
+        return stop_here(*st);
     }
     st->key_with_generation_prompt = std::move(key);
+    return false;
 }
 
 // the call of common_chat_try_specialized_template in common_chat_templates_apply_jinja.
@@ -166,13 +189,15 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
             return data;
         }
     } else {
-        try {
-            result = common_chat_try_specialized_template(tmpl, src, params);
-        } catch (prompt_ready & ready) {  // a stop point after the generation prompt, its key known good
+        if (st) {
+            st->stopped = false;
+        }
+        result = common_chat_try_specialized_template(tmpl, src, params);
+        common_chat_params data;
+        if (st && took_stop_point(*st, result, data.prompt)) {
+            // a stop point after the generation prompt, its key known good
             st->prompt_only_used = true;
             st->specialized_used = true;
-            common_chat_params data;
-            data.prompt = std::move(ready.prompt);
             return data;
         }
     }
@@ -397,6 +422,14 @@ struct parser_memo {
     // whether common_chat_try_specialized_template chose a handler for this template (it
     // decides by the template's source): no handler key is built for the others
     std::map<const common_chat_template *, bool> takes_handler;
+    // llamaprompt_source_find: per template, the source searched (its address and size) and the
+    // position each marker literal (by address) was found at
+    struct source_searches {
+        const std::string * src = nullptr;
+        size_t size = 0;
+        std::map<const char *, size_t> at;
+    };
+    std::map<const common_chat_template *, source_searches> source_finds;
 };
 
 std::shared_ptr<parser_memo> make_parser_memo() { return std::make_shared<parser_memo>(); }
@@ -445,14 +478,15 @@ template <class Json> static bool same_json_text(const Json & a, const Json & b)
 }
 
 // j.dump(), kept per thread for the last few values seen (every request dumps tools, schema and
-// template variables again; comparing is much cheaper than writing JSON text): at most `kept`
+// template variables again; comparing is much cheaper than writing JSON text): for each Field, a
+// list of its own (so that the values of one field do not push out another's), at most `kept`
 // values, each with a text of at most max_text bytes (longer ones are written every time)
-template <class Json> static const std::string & dump_recent(const Json & j) {
+template <int Field, class Json> static const std::string & dump_recent(const Json & j) {
     struct entry {
         Json value;
         std::string text;
     };
-    static constexpr size_t kept = 4;
+    static constexpr size_t kept = 6;
     static constexpr size_t max_text = 1 << 14;
     thread_local std::vector<entry> recent;  // the most recent last
     thread_local std::string uncached;
@@ -484,9 +518,9 @@ static std::string parser_inputs_key(const common_chat_template & tmpl, const au
         key += ':';
         key += part;
     };
-    add(dump_recent(p.tools));
-    add(dump_recent(p.json_schema));
-    add(dump_recent(p.extra_context));
+    add(dump_recent<0>(p.tools));
+    add(dump_recent<1>(p.json_schema));
+    add(dump_recent<2>(p.extra_context));
     add(p.grammar);
     for (int flag : {(int) p.tool_choice, (int) p.parallel_tool_calls, (int) p.reasoning_format, (int) p.stream,
                      (int) p.add_generation_prompt, (int) p.continue_final_message, (int) p.enable_thinking,
@@ -533,6 +567,33 @@ static void memo_add(parser_memo & memo, std::string key) {
 }
 
 }  // namespace llamaprompt
+
+// src.find(text) in chat.cpp, where adapt_tree.py's source_find_edits rewrote it (an engine
+// rewrite): the position is kept in the ChatTemplate's memo when src is tmpl's own source, which
+// does not change while the template lives (the memo lives as long as the templates); any other
+// string, or a call without a memo, is searched as before
+static size_t llamaprompt_source_find(const common_chat_template & tmpl, const std::string & src, const char * text) {
+    llamaprompt::handler_state * st = llamaprompt::current_handler;
+    if (!st || !st->memo || &src != &tmpl.source()) {
+        return src.find(text);
+    }
+    llamaprompt::parser_memo & memo = *st->memo;
+    {
+        std::lock_guard<std::mutex> lock(memo.mutex);
+        auto & kept = memo.source_finds[&tmpl];
+        if (kept.src != &src || kept.size != src.size()) {
+            kept = {&src, src.size(), {}};
+        }
+        auto it = kept.at.find(text);
+        if (it != kept.at.end()) {
+            return it->second;
+        }
+    }
+    const size_t at = src.find(text);
+    std::lock_guard<std::mutex> lock(memo.mutex);
+    memo.source_finds[&tmpl].at.emplace(text, at);
+    return at;
+}
 
 // replaces the call of autoparser::peg_generator::generate_parser in
 // common_chat_templates_apply_jinja
