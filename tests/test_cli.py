@@ -121,6 +121,20 @@ def test_errors_exit_2(tmp_path):
     assert proc.returncode == 2
 
 
+def test_render_a_pinned_template_by_name():
+    # --pinned NAME is --template with that shipped file's path
+    path = llamaprompt.pinned_template("Qwen3-Coder.jinja")
+    by_name = run("render", "--pinned", "Qwen3-Coder")
+    assert by_name.returncode == 0, by_name.stderr
+    assert by_name.stdout == run("render", "--template", str(path)).stdout
+    assert b"<tools>" in by_name.stdout  # the sample's tools, as Qwen3-Coder's template writes them
+    unknown = run("render", "--pinned", "no-such-template")
+    assert unknown.returncode == 2 and b"no pinned template" in unknown.stderr
+    assert b"Qwen3-Coder.jinja" in unknown.stderr  # the names it lists
+    both = run("render", "--pinned", "Qwen3-Coder", "--template", str(path))
+    assert both.returncode == 2 and b"give one" in both.stderr
+
+
 def test_help_and_version():
     assert run("--help").returncode == 0
     proc = run("--version")

@@ -1,6 +1,6 @@
 """The ``llamaprompt`` command line.
 
-    llamaprompt render [--template FILE] [options] [REQUEST.json | -] [-- llama-server flags]
+    llamaprompt render [--template FILE | --pinned NAME] [options] [REQUEST.json | -] [-- llama-server flags]
     llamaprompt caps [--template FILE] [options]
     llamaprompt props [--template FILE] [options]
     llamaprompt normalize [--template FILE] [options] MESSAGES.json
@@ -19,7 +19,9 @@
 ``--llama-cpp VERSION`` (render, caps, ..., fixtures, check, serve) renders with the core built
 for that llama.cpp (``llamaprompt cores add VERSION``) instead of the built-in one.
 
-``--gguf FILE`` (render, caps, props, normalize) takes the template from a model file.
+``--gguf FILE`` (render, caps, props, normalize) takes the template from a model file;
+``--pinned NAME`` one of the templates shipped from the pinned llama.cpp tree, by file name
+(``llamaprompt render --pinned Qwen3-Coder``; an unknown name lists them).
 
 llama-server flags go after ``--`` (or one by one with ``--server-arg=FLAG``), e.g.
 ``llamaprompt render --template T req.json -- --reasoning off``. Errors from llama.cpp
@@ -118,6 +120,12 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         "-t",
         metavar="FILE",
         help=f"Jinja chat template file, as --chat-template-file (default: the pinned tree's {DEFAULT_TEMPLATE})",
+    )
+    g.add_argument(
+        "--pinned",
+        metavar="NAME",
+        help="a template shipped from the pinned llama.cpp tree, by file name (.jinja optional), instead of "
+        "--template FILE; an unknown name lists them",
     )
     g.add_argument(
         "--gguf",
@@ -666,6 +674,13 @@ def _file_tokens(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load(args: argparse.Namespace, server_args: list[str]) -> Any:
+    if args.pinned is not None:
+        if args.template:
+            raise UsageError("--pinned and --template both name a template: give one")
+        try:
+            args.template = str(pinned_template(args.pinned))
+        except FileNotFoundError as e:
+            raise UsageError(f"--pinned: {e}") from None
     caps = None
     if args.caps:
         try:
@@ -690,7 +705,7 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> Any:
         factory = UntrustedTemplate
     if args.builtin:
         if args.gguf or args.template:
-            raise UsageError("--builtin cannot be combined with --template or --gguf")
+            raise UsageError("--builtin cannot be combined with --template, --pinned or --gguf")
         return ChatTemplate.builtin(
             args.builtin,
             **_file_tokens(args),
