@@ -288,16 +288,16 @@ def test_handler_probe_reads_each_handler(handler_tree, tmp_path):
     assert line.startswith(
         "    if (llamaprompt_prompt_stop_armed(__func__)) { if (inputs.add_generation_prompt && "
         'string_ends_with(data.prompt, "<turn|>\\n")) { data.generation_prompt = "<|turn>model\\n"; '
-        "data.prompt += data.generation_prompt; } llamaprompt_prompt_stop(data.prompt); return data; } "
+        "data.prompt += data.generation_prompt; } llamaprompt_prompt_stop(); return data; } "
     )
     assert "llamaprompt_prompt_ready(" not in gemma4
 
 
 LING3 = "common/parsers/ling3.cpp"
 LING3_GEN = "    data.generation_prompt = common_chat_template_generation_prompt_impl(tmpl, inputs);\n"
-LING3_STOP = "if (llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__)) { return data; }"
+LING3_STOP = "if (llamaprompt_prompt_ready_after(data.generation_prompt, __func__)) { return data; }"
 # the stop point before the generation prompt: the handler returns its params there when it says so
-PROMPT_READY = "if (llamaprompt_prompt_ready(data.prompt, __func__)) { return data; } "
+PROMPT_READY = "if (llamaprompt_prompt_ready(__func__)) { return data; } "
 # edits of ling3 after its generation prompt as upstream might write them; whether the probe
 # keeps its stop point after the generation prompt, and the reason given when not
 LING3_EDITS = [
@@ -386,7 +386,7 @@ def test_handler_probe_on_edited_prompt_fixups(handler_tree, tmp_path, kept, old
     if reason:
         assert reason in verdict, verdict
     copy = tmp_path / "out" / "generated" / "mirror" / GEMMA4  # no copy: a file with no edit at all
-    assert (copy.exists() and "llamaprompt_prompt_stop(data.prompt)" in copy.read_text()) == kept
+    assert (copy.exists() and "llamaprompt_prompt_stop()" in copy.read_text()) == kept
 
 
 # edits of a handler (Qwen3-Coder's) as upstream might write it: before its prompt, after its
@@ -1012,7 +1012,7 @@ def test_generator_probe_on_the_tree(tree, tmp_path):
     copy = (tmp_path / "out" / "generated" / "mirror" / GENERATOR).read_text().splitlines()
     original = (tree / GENERATOR).read_text().splitlines()
     assert copy[1] == "#line 1"
-    ready = "if (llamaprompt_prompt_ready(data.prompt, nullptr)) { return data; }"
+    ready = "if (llamaprompt_prompt_ready(nullptr)) { return data; }"
     stop = [i for i, x in enumerate(copy[2:]) if ready in x]
     assert len(stop) == 1 and original[stop[0]] + "\n" == BUILD_PARSER
     # compiled into _core, not again in llama-common

@@ -2285,7 +2285,7 @@ def mirror_headers(tree: Tree, out_dir: Path, rewritten: dict[str, str]) -> None
 # prompt, then the generation prompt (two more renders), then builds its parser and grammar.
 # Where the code after the prompt is computed provably reads neither the messages nor the
 # prompt -- only non-message inputs, which the parser-inputs key covers -- the build-tree copy
-# of the handler's file calls llamaprompt_prompt_ready(data.prompt) at that point: with
+# of the handler's file calls llamaprompt_prompt_ready(__func__) at that point: with
 # apply_template's prompt-only path on and these inputs known good, the handler stops there
 # (src/cpp/shim_chat.cpp). The probe is per handler, on its text (comments and literals
 # blanked); a handler it cannot prove runs in full, as before.
@@ -2294,16 +2294,19 @@ HANDLER_DIR = "common/parsers"
 HANDLER_DEF = re.compile(r"common_chat_params\s+(common_chat_params_init_\w+)\s*\([^)]*\)\s*\{")
 STOP_STATEMENT = re.compile(r"\bdata\.generation_prompt\s*=(?!=)")
 CONTINUATION_BLOCK = re.compile(r"if\s*\(\s*inputs\.has_continuation\(\)\s*\)\s*\{")
-PROMPT_READY = "if (llamaprompt_prompt_ready(data.prompt, __func__)) { return data; } "
+PROMPT_READY = "if (llamaprompt_prompt_ready(__func__)) { return data; } "
 # A handler whose code after the prompt reads the generation prompt as well (ling3 and minimax-m3
 # look for an unclosed think tag in it) stops right after the generation prompt's own statement
 # instead, when that statement is its render alone: the code after it then depends on the keyed
 # inputs and the generation prompt only, and the memo's key holds both (src/cpp/shim_chat.cpp
 # llamaprompt_prompt_ready_after). Its two renders still run; the parser and grammar do not.
-PROMPT_READY_AFTER = (" if (llamaprompt_prompt_ready_after(data.prompt, data.generation_prompt, __func__)) "
+PROMPT_READY_AFTER = (" if (llamaprompt_prompt_ready_after(data.generation_prompt, __func__)) "
                       "{ return data; }")
 PROMPT_ONLY_AFTER = "prompt-only after its generation prompt"
 IDENT = r"(?<![.>:\w])[A-Za-z_]\w*\b"
+# names that are not a handler's locals (keywords, types, its parameters and result)
+NOT_LOCALS = {"auto", "const", "static", "constexpr", "bool", "int", "size_t", "if", "else", "for", "while",
+              "return", "true", "false", "nullptr", "std", "json", "ordered_json", "string", "data", "inputs", "tmpl"}
 # a stop point returns the function's result where it is (`return data;`): the result must be a
 # `common_chat_params data` declared at the function's top level, and the stop point there too
 RESULT_DECL = re.compile(r"(?:^|[;{}])\s*common_chat_params\s+data\s*;")
@@ -2320,9 +2323,6 @@ def _return_problems(body: str, at: int) -> list[str]:
         if head.count("{") == head.count("}"):
             return []
     return ["its result is not a `common_chat_params data` declared at its top level"]
-# names that are not a handler's locals (keywords, types, its parameters and result)
-NOT_LOCALS = {"auto", "const", "static", "constexpr", "bool", "int", "size_t", "if", "else", "for", "while",
-              "return", "true", "false", "nullptr", "std", "json", "ordered_json", "string", "data", "inputs", "tmpl"}
 
 
 def _digit_separator(text: str, i: int) -> bool:
@@ -2510,7 +2510,7 @@ FIXUP_STATEMENTS = (
     re.compile(r'\s*data\s*\.\s*prompt\s*\+=\s*(?:"[ ]*"\s*)+'),
 )
 FIXUP_ARMED = "if (llamaprompt_prompt_stop_armed(__func__)) { "
-FIXUP_READY = " llamaprompt_prompt_stop(data.prompt); return data; } "
+FIXUP_READY = " llamaprompt_prompt_stop(); return data; } "
 
 
 def _prompt_fixup(body: str, stop: re.Match) -> tuple[tuple[int, int] | None, list[str]]:
@@ -2685,14 +2685,14 @@ def handler_rewrites(tree: Tree, notes: list[str]) -> tuple[list[Rewrite], dict[
 # message to both; then it builds the parser and grammar from non-message inputs and a copy of
 # the generation prompt made before any continuation (a literal prefix: the argument that lets
 # the prompt-only path skip generate_parser for add_generation_prompt requests). Where its text
-# shows exactly that, the build-tree copy calls llamaprompt_prompt_ready(data.prompt, nullptr)
+# shows exactly that, the build-tree copy calls llamaprompt_prompt_ready(nullptr)
 # just before the parser is built: requests that continue the final message or turn
 # add_generation_prompt off then stop there once their non-message inputs are known good
 # (src/cpp/shim_chat.cpp llamaprompt_generate_parser). Otherwise they run in full, as before.
 GENERATOR = "common/chat-auto-parser-generator.cpp"
 GENERATOR_DEF = re.compile(r"common_chat_params\s+peg_generator\s*::\s*generate_parser\s*\([^)]*\)\s*\{")
 GENERATOR_STOP = re.compile(r"\bauto\s+parser\s*=\s*autoparser\s*\.\s*build_parser\s*\(\s*inputs\s*,\s*(\w+)\s*\)\s*;")
-GENERATOR_READY = "if (llamaprompt_prompt_ready(data.prompt, nullptr)) { return data; } "
+GENERATOR_READY = "if (llamaprompt_prompt_ready(nullptr)) { return data; } "
 # the autoparser's other sources: none may read the continued message (the parser is built from
 # the key's inputs and the generation prompt only)
 AUTOPARSER_SOURCES = ("common/chat-auto-parser-generator.cpp", "common/chat-auto-parser-helpers.cpp",

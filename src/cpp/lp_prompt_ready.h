@@ -1,5 +1,5 @@
 // The prompt-only stop point of llama.cpp's specialized chat handlers. adapt_tree.py
-// (handler_rewrites) inserts `if (llamaprompt_prompt_ready(data.prompt, __func__)) { return data; }`
+// (handler_rewrites) inserts `if (llamaprompt_prompt_ready(__func__)) { return data; }`
 // into the build-tree copy of a handler's file (common/parsers/*.cpp), just before the handler
 // computes its generation prompt -- only in handlers whose remaining code provably depends
 // on no message and leaves the prompt as it is, and whose result is a `common_chat_params data`
@@ -14,17 +14,17 @@
 
 #include <string>
 
-bool llamaprompt_prompt_ready(const std::string & prompt, const char * handler);
+bool llamaprompt_prompt_ready(const char * handler);
 
 // The same stop point in a handler whose prompt ends with a fix-up block after the generation
 // prompt (adapt_tree.py _prompt_fixup: gemma4 appends the model's turn opener to a prompt that
 // ends a turn). The build-tree copy puts, just before the generation prompt's line,
-//   if (llamaprompt_prompt_stop_armed(__func__)) { <a copy of the block> llamaprompt_prompt_stop(data.prompt); return data; }
+//   if (llamaprompt_prompt_stop_armed(__func__)) { <a copy of the block> llamaprompt_prompt_stop(); return data; }
 // llamaprompt_prompt_stop_armed records the handler's name as llamaprompt_prompt_ready does and
 // says whether this call stops at the prompt; llamaprompt_prompt_stop then marks the call stopped
 // (the block's copy never runs on the full path).
 bool llamaprompt_prompt_stop_armed(const char * handler);
-void llamaprompt_prompt_stop(const std::string & prompt);
+void llamaprompt_prompt_stop();
 
 // The stop point of a handler whose code after the prompt reads the generation prompt too
 // (adapt_tree.py PROMPT_READY_AFTER: ling3 and minimax-m3 look for an unclosed think tag in it),
@@ -33,8 +33,7 @@ void llamaprompt_prompt_stop(const std::string & prompt);
 // true (the handler returns, its prompt taken) once these non-message inputs *and this generation
 // prompt* produced the handler's params without error; otherwise it records that key, added to the
 // memo when the handler finishes (src/cpp/shim_chat.cpp), and returns false.
-bool llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
-                                    const char * handler);
+bool llamaprompt_prompt_ready_after(const std::string & generation_prompt, const char * handler);
 
 // The prompt's render handed to the generation prompt (adapt_tree.py no_gen_reuse_edits, an
 // engine rewrite): declared right after `data.prompt = <render>(ARGS);` where the next statement

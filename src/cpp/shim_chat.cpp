@@ -92,8 +92,7 @@ static bool stop_here(llamaprompt::handler_state & st) {
     return true;
 }
 
-bool llamaprompt_prompt_ready(const std::string & prompt, const char * handler) {
-    (void) prompt;  // the caller returns it in its params
+bool llamaprompt_prompt_ready(const char * handler) {
     using llamaprompt::current_handler;
     if (current_handler && handler) {  // null: the autoparser's generate_parser, not a handler
         current_handler->stop_point = handler;
@@ -109,16 +108,13 @@ bool llamaprompt_prompt_stop_armed(const char * handler) {
     return current_handler && current_handler->stop_at_prompt;
 }
 
-void llamaprompt_prompt_stop(const std::string & prompt) {
-    (void) prompt;
+void llamaprompt_prompt_stop() {
     if (llamaprompt::current_handler) {
         stop_here(*llamaprompt::current_handler);
     }
 }
 
-bool llamaprompt_prompt_ready_after(const std::string & prompt, const std::string & generation_prompt,
-                                    const char * handler) {
-    (void) prompt;
+bool llamaprompt_prompt_ready_after(const std::string & generation_prompt, const char * handler) {
     using namespace llamaprompt;
     handler_state * st = current_handler;
     if (!st) {
@@ -193,12 +189,14 @@ static std::optional<common_chat_params> llamaprompt_try_specialized_template(
             st->stopped = false;
         }
         result = common_chat_try_specialized_template(tmpl, src, params);
-        common_chat_params data;
-        if (st && took_stop_point(*st, result, data.prompt)) {
+        if (st && st->stopped) {
             // a stop point after the generation prompt, its key known good
-            st->prompt_only_used = true;
-            st->specialized_used = true;
-            return data;
+            common_chat_params data;
+            if (took_stop_point(*st, result, data.prompt)) {
+                st->prompt_only_used = true;
+                st->specialized_used = true;
+                return data;
+            }
         }
     }
     if (st) {
