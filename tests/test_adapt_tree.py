@@ -229,6 +229,23 @@ def test_template_inputs_capture_points_are_probed(tree, tmp_path):
     assert "common/chat.cpp" in proc.stderr and "jinja::global_from_json(ctx, inp, inputs.mark_input);" in proc.stderr
 
 
+def test_common_log_route_is_probed(tree, tmp_path):
+    """lp_common_log.h restates common/log.h's LOG_TMPL with its call replaced: a LOG_TMPL written
+    otherwise (here: a prefix argument added to its call) leaves common's log silent, and says so."""
+    assert _run(tree, tmp_path).returncode == 0 and _features(tmp_path)["common_log"]
+    assert "set(LP_COMMON_LOG_ROUTED ON)" in (tmp_path / "out" / "lp_tree.cmake").read_text()
+    _edit(
+        tree / "common" / "log.h",
+        "common_log_add(common_log_main(), (level), __VA_ARGS__);",
+        "common_log_add(common_log_main(), (level), LOG_PREFIX, __VA_ARGS__);",
+    )
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _features(tmp_path)["common_log"] is False
+    cmake = (tmp_path / "out" / "lp_tree.cmake").read_text()
+    assert "set(LP_COMMON_LOG_ROUTED OFF)" in cmake and "not in this tree: common/log.h: LOG_TMPL" in cmake
+
+
 def _info(tmp_path: Path) -> dict:
     header = (tmp_path / "out" / "generated" / "lp_tree.h").read_text()
     line = next(x for x in header.splitlines() if x.startswith("#define LP_TREE_INFO_JSON "))

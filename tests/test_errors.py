@@ -258,6 +258,40 @@ def test_schema_conversion_warning_goes_to_logging_not_stderr(caplog, capfd):
     assert "JSON schema conversion" not in capfd.readouterr().err
 
 
+# common/chat.cpp's specialized-handler chain logs this (LOG_WRN) for a template with gemma4's
+# tool-call marker text '<|tool_call>call:' but without the newer template's comment
+# "{#- OpenAI Chat Completions:"; llama-server prints it for every such request
+OUTDATED_GEMMA4_WARNING = "detected an outdated gemma4 chat template"
+MARKED = "{#- '<|tool_call>call:' -#}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def test_chat_code_warnings_go_to_logging_not_stderr(caplog, capfd):
+    # common's log (LOG_WRN in chat.cpp) delivered as llama_log_set's lines: on the
+    # llamaprompt.llama_cpp logger, at its level, once per request that logs it, never on stderr
+    assert llamaprompt.features["common_log"]
+    req = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def warnings() -> list:
+        return [r for r in caplog.records if OUTDATED_GEMMA4_WARNING in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="llamaprompt.llama_cpp"):
+        # loading renders the template once through the handler chain (as llama-server's load)
+        outdated = llamaprompt.ChatTemplate(MARKED)
+        assert len(warnings()) == 1
+        current = llamaprompt.ChatTemplate("{#- OpenAI Chat Completions: -#}" + MARKED)
+        assert len(warnings()) == 1
+        caplog.clear()
+        for _ in range(3):
+            assert outdated.apply_template(req) == "user: hi\n"
+        outdated.apply_template_many([req, req], threads=2)
+        assert current.apply_template(req) == "user: hi\n"
+    assert len(warnings()) == 5
+    assert all(r.name == "llamaprompt.llama_cpp" and r.levelname == "WARNING" for r in warnings())
+    assert all(not r.getMessage().endswith("\n") for r in warnings())
+    captured = capfd.readouterr()
+    assert OUTDATED_GEMMA4_WARNING not in captured.err + captured.out
+
+
 def test_prompt_bytes_that_are_not_utf8_survive_apply():
     # the template cuts "é" (2 bytes) after its first byte: the prompt is that byte
     t = llamaprompt.ChatTemplate("{{ messages[0].content[:1] }}")

@@ -138,7 +138,31 @@ def probe_features(tree: Tree) -> dict[str, dict]:
         "common/chat.cpp: common_chat_template_direct_apply_impl sets the Jinja context (global_from_json) and "
         "renders it; common/jinja/value.h: value_to_json; common/jinja/runtime.h: jinja::context's "
         "'value_object env;' (the capture points of ChatTemplate.template_inputs)")
+    add("common_log", common_log_routable(tree),
+        "common/log.h: LOG_TMPL as `do { if ((verbosity) <= common_log_get_verbosity_thold()) { "
+        "common_log_add(common_log_main(), (level), __VA_ARGS__); } } while (0)` (src/cpp/lp_common_log.h "
+        "restates it with its call replaced: LOG_INF / LOG_WRN / LOG_ERR of the chat code reach Python's logging)")
     return f
+
+
+# common/log.h's LOG_TMPL, the macro every LOG_* expands to, as src/cpp/lp_common_log.h restates
+# it (whitespace aside): only then is the restatement's one difference its call
+COMMON_LOG_TMPL = re.compile(
+    r"#define\s+LOG_TMPL\(level,\s*verbosity,\s*\.\.\.\)\s*\\\s*do\s*\{\s*\\\s*"
+    r"if\s*\(\(verbosity\)\s*<=\s*common_log_get_verbosity_thold\(\)\)\s*\{\s*\\\s*"
+    r"common_log_add\(common_log_main\(\),\s*\(level\),\s*__VA_ARGS__\);\s*\\\s*"
+    r"\}\s*\\\s*\}\s*while\s*\(0\)\s*\n")
+
+
+def common_log_routable(tree: Tree) -> bool:
+    """Whether common/log.h defines LOG_TMPL once, exactly as lp_common_log.h restates it, with
+    the LOG_ATTRIBUTE_FORMAT and LOG_LEVEL_INFO it uses."""
+    if not tree.has("common/log.h"):
+        return False
+    text = tree.read("common/log.h")
+    return (len(COMMON_LOG_TMPL.findall(text)) == 1 and len(re.findall(r"#define\s+LOG_TMPL\b", text)) == 1
+            and bool(re.search(r"#\s*define\s+LOG_ATTRIBUTE_FORMAT\(", text))
+            and bool(re.search(r"#define\s+LOG_LEVEL_INFO\b", text)))
 
 
 # where common_chat_template_direct_apply_impl hands its context to the Jinja engine, and
@@ -152,7 +176,7 @@ TEMPLATE_INPUTS_SITES = (
 # features whose absence means llamaprompt gives less on this tree (the others only say which
 # shape of an upstream interface the bindings compile for)
 LOSSES = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "const_execution",
-          "template_inputs"]
+          "template_inputs", "common_log"]
 
 
 # ---------------------------------------------------------------------------
@@ -3255,6 +3279,8 @@ def main(argv: list[str]) -> int:
     cmake.append(f"set(LP_COPIED_SOURCES {' '.join(rw.rel for rw in REWRITES + handlers)})")
     # the handler files with a prompt-only stop point or the render reuse: _core compiles their copies
     cmake.append(f"set(LP_HANDLER_COPIES {' '.join(rw.out for rw in handlers)})")
+    # src/cpp/lp_common_log.h force-included (common's LOG_* lines to Python's logging) or not
+    cmake.append(f"set(LP_COMMON_LOG_ROUTED {'ON' if features['common_log']['present'] else 'OFF'})")
     cmake += [f"message(STATUS {cmake_str('llamaprompt: ' + n)})" for n in notes]
     (out / "lp_tree.cmake").write_text("\n".join(cmake) + "\n")
     (out / "generated" / "lp_tree_inputs.txt").write_text("".join(f"{rel}\n" for rel in sorted(tree.inputs)))

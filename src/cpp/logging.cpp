@@ -1,5 +1,8 @@
 #include "logging.h"
 
+#include <cstdarg>
+#include <cstdio>
+
 #include "ggml.h"
 #include "llama.h"
 
@@ -130,3 +133,27 @@ void install_log_callback() {
 }
 
 }  // namespace llamaprompt
+
+// common's LOG_* lines (src/cpp/lp_common_log.h): formatted, into the calling thread's capture.
+// A line that cannot be kept (no memory) is dropped, never thrown into upstream's code.
+void llamaprompt_common_log(enum ggml_log_level level, const char * fmt, ...) {
+    llamaprompt::log_capture * capture = llamaprompt::current_log_capture();
+    if (!capture || !fmt) {
+        return;
+    }
+    va_list args;
+    va_start(args, fmt);
+    va_list sized;
+    va_copy(sized, args);
+    const int n = std::vsnprintf(nullptr, 0, fmt, sized);
+    va_end(sized);
+    if (n >= 0) {
+        try {
+            std::string text(size_t(n), '\0');
+            std::vsnprintf(text.data(), size_t(n) + 1, fmt, args);
+            capture->add((int) level, text.c_str());
+        } catch (const std::exception &) {
+        }
+    }
+    va_end(args);
+}

@@ -48,7 +48,9 @@ PYBIND11_MODULE(_core, m) {
     m.def("stack_left", []() { return llamaprompt::stack_left(); });
     m.attr("CAPS_KEYS") = llamaprompt::caps_keys();
 
-    // llama.cpp's common log is silent inside a library unless asked for
+    // llama.cpp's common log itself (its worker thread, stdout / stderr) stays silent: its LOG_*
+    // lines reach Python's logging through the captures instead (lp_common_log.h), where the tree
+    // allows it (llamaprompt.features["common_log"])
     common_log_set_verbosity_thold(-1);
     // llama.cpp / ggml logs go to Python's logging ("llamaprompt.llama_cpp"), never stderr
     llamaprompt::install_log_callback();
