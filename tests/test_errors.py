@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 
 import pytest
@@ -290,6 +291,63 @@ def test_chat_code_warnings_go_to_logging_not_stderr(caplog, capfd):
     assert all(not r.getMessage().endswith("\n") for r in warnings())
     captured = capfd.readouterr()
     assert OUTDATED_GEMMA4_WARNING not in captured.err + captured.out
+
+
+def test_a_raising_log_handler_sees_each_line_once(caplog):
+    # a handler whose emit raises ends the call with its exception (as a logging call in Python
+    # would); the line is not handed to it a second time on the way out
+    calls = []
+
+    class Raising(logging.Handler):
+        def emit(self, record):
+            calls.append(record.getMessage())
+            raise ValueError("handler failed")
+
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=a)a+$"}}}
+    req = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+    }
+    handler = Raising()
+    logger = logging.getLogger("llamaprompt.llama_cpp")
+    logger.addHandler(handler)
+    try:
+        with caplog.at_level("WARNING", logger="llamaprompt.llama_cpp"), pytest.raises(ValueError):
+            t.apply(req)
+    finally:
+        logger.removeHandler(handler)
+    assert len(calls) == 1 and "JSON schema conversion was incomplete" in calls[0]
+
+
+def test_schema_conversion_warning_is_logged_whole(caplog):
+    # upstream prints the warnings of every unsupported pattern in one line, "; "-joined
+    # (json-schema-to-grammar.cpp); sixty of them make a line of thousands of bytes, with "é"s
+    # in it where the tree's warning quotes the pattern: it must come whole, no character cut
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    properties = {f"p{i}": {"type": "string", "pattern": "^(?=é)é+$"} for i in range(60)}
+    parameters = {"type": "object", "properties": properties}
+    req = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+    }
+    with caplog.at_level("WARNING", logger="llamaprompt.llama_cpp"):
+        t.apply(req)
+    lines = [r.getMessage() for r in caplog.records if "JSON schema conversion was incomplete" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].count("; ") == 59 and "\ufffd" not in lines[0] and len(lines[0].encode()) > 1024
+
+
+def test_output_parse_warnings_go_to_logging(caplog):
+    # common_chat_peg_parse (chat.cpp) logs what it could not parse (LOG_WRN) before it throws
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen3-Coder"))
+    params = t.apply({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required"})
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\nafter'
+    with caplog.at_level("WARNING", logger="llamaprompt.llama_cpp"), pytest.raises(llamaprompt.TemplateError):
+        params.parse(text)
+    unparsed = [r.getMessage() for r in caplog.records if "unparsed" in r.getMessage()]
+    assert len(unparsed) == 1 and unparsed[0].endswith("</tool_call>\nafter")
 
 
 def test_prompt_bytes_that_are_not_utf8_survive_apply():

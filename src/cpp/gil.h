@@ -78,11 +78,9 @@ log_capture * exchange_log_capture(log_capture * capture) noexcept;
 constexpr size_t min_stack_left = size_t(1) << 20;
 constexpr size_t hop_stack_bytes = size_t(8) << 20;
 
+// fn() on a thread with stack_bytes of stack (big_stack.h), logging into this thread's capture
 template <typename F>
-auto with_enough_stack(F && fn) -> decltype(fn()) {
-    if (stack_left() >= min_stack_left) {
-        return fn();
-    }
+auto on_big_stack_logged(F && fn, size_t stack_bytes) -> decltype(fn()) {
     log_capture * logs = current_log_capture();
     return on_big_stack(
         [&]() -> decltype(fn()) {
@@ -92,7 +90,15 @@ auto with_enough_stack(F && fn) -> decltype(fn()) {
             } in_force{exchange_log_capture(logs)};
             return fn();
         },
-        hop_stack_bytes);
+        stack_bytes);
+}
+
+template <typename F>
+auto with_enough_stack(F && fn) -> decltype(fn()) {
+    if (stack_left() >= min_stack_left) {
+        return fn();
+    }
+    return on_big_stack_logged(std::forward<F>(fn), hop_stack_bytes);
 }
 
 // fn() with the GIL released (on a thread of its own when this one's stack is small:

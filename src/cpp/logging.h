@@ -54,7 +54,9 @@ void emit_records(const std::vector<log_record> & records);
 void log_warning(const char * text);
 
 // Runs fn (which must hold the GIL when it returns) with a capture of the llama.cpp log
-// lines it causes on this thread, then emits them to Python's logging, also when fn throws.
+// lines it causes on this thread, then emits them to Python's logging, also when fn throws
+// (once: a handler's exception ends the emission and replaces the result, as a raising
+// handler's exception propagates from a logging call in Python).
 // While the handlers run (Python code, which may give up the GIL), fn's Python result is held as
 // a plain reference: if CPython ends the thread there (a daemon thread at interpreter exit), the
 // forced unwinding must not release it without the GIL (a crash at exit); it is left instead.
@@ -62,8 +64,10 @@ template <typename F>
 auto with_log_capture(F && fn) -> decltype(fn()) {
     using result_t = decltype(fn());
     log_capture logs;
+    bool emitted = false;  // a handler that raised has had its records: not emitted again below
     try {
         result_t result = fn();
+        emitted = true;
         if constexpr (std::is_base_of_v<pybind11::handle, result_t>) {
             PyObject * held = result.release().ptr();
             try {
@@ -86,7 +90,9 @@ auto with_log_capture(F && fn) -> decltype(fn()) {
         throw;  // a thread CPython ends at shutdown (gil.h): it holds no GIL to log with
 #endif
     } catch (...) {
-        logs.emit();
+        if (!emitted) {
+            logs.emit();
+        }
         throw;
     }
 }

@@ -7,6 +7,7 @@
 // messages and deltas are serialized by to_json_oaicompat / server_chat_msg_diff_to_json_oaicompat.
 #include "big_stack.h"
 #include "errors.h"
+#include "logging.h"
 #include "model.h"
 #include "shim.h"
 #include "text.h"
@@ -50,7 +51,8 @@ class core_output_parser {
     core_output_parser(const std::string & llama_params_text, const std::vector<std::string> & server_args,
                        std::shared_ptr<core_model> model, const std::string & reasoning_format,
                        std::optional<bool> parse_tool_calls, bool stream) {
-        params_ = call_upstream([&]() {
+        // (its log lines -- a schema's conversion warnings -- reach logging as a render's do)
+        params_ = with_log_capture([&]() { return call_upstream([&]() {
             common_params base = parse_server_args(server_args);
             // llama-server's main() (tools/server/server.cpp) resolves an automatic slot count
             // before any request; older trees' request schema compares n_cmpl with it
@@ -85,7 +87,7 @@ class core_output_parser {
             task_params tp = server_task::params_from_json_cmpl(vocab, base, base.n_ctx, {}, data);
 #endif
             return tp.chat_parser_params;
-        });
+        }); });
         model_ = std::move(model);
         reset();
     }
@@ -117,11 +119,21 @@ class core_output_parser {
     }
 
     // one-shot parse of the whole text, as the final (non-streamed) response computes it
+    // (both: llama.cpp's log lines -- "unparsed ... output", a streamed tool call's mismatch --
+    // reach logging as a render's do, from the big stack's thread too)
     py::object parse(const std::string & text, bool partial) {
+        return with_log_capture([&]() { return parse_impl(text, partial); });
+    }
+
+    py::object feed(const std::string & chunk, bool is_final) {
+        return with_log_capture([&]() { return feed_impl(chunk, is_final); });
+    }
+
+    py::object parse_impl(const std::string & text, bool partial) {
         long depth = 0;
         check_depth(text, depth);
         std::string out = call_upstream([&]() {
-            return on_big_stack([&]() {
+            return on_big_stack_logged([&]() {
                 task_result_state st(params_);
                 std::vector<common_chat_msg_diff> diffs;
                 common_chat_msg msg = st.update_chat_msg(text, partial, diffs);
@@ -129,19 +141,19 @@ class core_output_parser {
                     msg.role = "assistant";
                 }
                 return dump_safe(msg.to_json_oaicompat());  // bad UTF-8 replaced, as llama-server's responses
-            });
+            }, big_stack_bytes);
         });
         return json_text_to_py(out);
     }
 
     // streaming: the OpenAI deltas llama-server sends for this chunk
-    py::object feed(const std::string & chunk, bool is_final) {
+    py::object feed_impl(const std::string & chunk, bool is_final) {
         std::string out = call_upstream([&]() {
             // one feed at a time (the state is updated with the GIL released; the lock is taken
             // and released without the GIL, so a waiting thread never holds it)
             std::lock_guard<std::mutex> lock(mutex_);
             check_depth(chunk, depth_);
-            return on_big_stack([&]() {
+            return on_big_stack_logged([&]() {
                 std::vector<common_chat_msg_diff> diffs;
                 state_->update_chat_msg(chunk, !is_final, diffs);
                 json arr = json::array();
@@ -149,7 +161,7 @@ class core_output_parser {
                     arr.push_back(server_chat_msg_diff_to_json_oaicompat(d));
                 }
                 return dump_safe(arr);
-            });
+            }, big_stack_bytes);
         });
         return json_text_to_py(out);
     }

@@ -13,15 +13,23 @@
 #include <cstdio>
 #include <string>
 
+// the whole line, as upstream's fprintf prints it (a fixed buffer cut long patterns mid-character)
 static void llamaprompt_log_warning(FILE * /*stderr*/, const char * fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    char buf[1024];
-    const int n = vsnprintf(buf, sizeof(buf), fmt, args);
-    va_end(args);
+    va_list sized;
+    va_copy(sized, args);
+    const int n = vsnprintf(nullptr, 0, fmt, sized);
+    va_end(sized);
     if (n >= 0) {
-        llamaprompt::log_warning(buf);
+        try {
+            std::string line(size_t(n), '\0');
+            vsnprintf(line.data(), size_t(n) + 1, fmt, args);
+            llamaprompt::log_warning(line.c_str());
+        } catch (const std::exception &) {  // no memory for the line: dropped, not thrown into upstream's code
+        }
     }
+    va_end(args);
 }
 
 // each rule added and each pattern converted: the call's time budget (jinja_guard.h), which
