@@ -289,6 +289,8 @@ def test_chat_code_warnings_go_to_logging_not_stderr(caplog, capfd):
     assert len(warnings()) == 5
     assert all(r.name == "llamaprompt.llama_cpp" and r.levelname == "WARNING" for r in warnings())
     assert all(not r.getMessage().endswith("\n") for r in warnings())
+    # the line is the record's msg (no %-formatting args): a filter reading record.msg sees it
+    assert all(r.msg == r.getMessage() and not r.args for r in warnings())
     captured = capfd.readouterr()
     assert OUTDATED_GEMMA4_WARNING not in captured.err + captured.out
 

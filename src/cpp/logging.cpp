@@ -111,7 +111,8 @@ void emit_records(const std::vector<log_record> & records) {
             PyErr_Clear();
             continue;
         }
-        PyObject * done = PyObject_CallMethod(logger, "log", "isO", lvl, "%s", s);
+        // the line as the record's msg, no args: never %-formatted, and a filter reads it as it is
+        PyObject * done = PyObject_CallMethod(logger, "log", "iO", lvl, s);
         Py_DECREF(s);
         if (!done) {
             Py_DECREF(logger);

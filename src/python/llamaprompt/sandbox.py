@@ -106,7 +106,8 @@ def _relay(records: list[_Record]) -> None:
         log = logging.getLogger(name)
         if not log.isEnabledFor(level):
             continue
-        record = log.makeRecord(name, level, pathname, lineno, "%s", (message,), None, func)
+        # the text as msg, no args (never %-formatted), as ChatTemplate's llama.cpp lines come
+        record = log.makeRecord(name, level, pathname, lineno, message, (), None, func)
         if name != _LOGGERS[0]:
             log.handle(record)
             continue
