@@ -123,9 +123,22 @@ void emit_records(const std::vector<log_record> & records) {
     Py_DECREF(logger);
 }
 
-void log_warning(const char * text) {
-    if (current_capture && text) {
-        current_capture->add(GGML_LOG_LEVEL_WARN, text);
+void log_vformat(int level, const char * fmt, va_list args) noexcept {
+    if (!current_capture || !fmt) {
+        return;
+    }
+    va_list sized;
+    va_copy(sized, args);
+    const int n = std::vsnprintf(nullptr, 0, fmt, sized);
+    va_end(sized);
+    if (n < 0) {
+        return;
+    }
+    try {
+        std::string text(size_t(n), '\0');
+        std::vsnprintf(text.data(), size_t(n) + 1, fmt, args);
+        current_capture->add(level, text.c_str());
+    } catch (const std::exception &) {
     }
 }
 
@@ -135,26 +148,10 @@ void install_log_callback() {
 
 }  // namespace llamaprompt
 
-// common's LOG_* lines (src/cpp/lp_common_log.h): formatted, into the calling thread's capture.
-// A line that cannot be kept (no memory) is dropped, never thrown into upstream's code.
+// common's LOG_* lines (src/cpp/lp_common_log.h): into the calling thread's capture
 void llamaprompt_common_log(enum ggml_log_level level, const char * fmt, ...) {
-    llamaprompt::log_capture * capture = llamaprompt::current_log_capture();
-    if (!capture || !fmt) {
-        return;
-    }
     va_list args;
     va_start(args, fmt);
-    va_list sized;
-    va_copy(sized, args);
-    const int n = std::vsnprintf(nullptr, 0, fmt, sized);
-    va_end(sized);
-    if (n >= 0) {
-        try {
-            std::string text(size_t(n), '\0');
-            std::vsnprintf(text.data(), size_t(n) + 1, fmt, args);
-            capture->add((int) level, text.c_str());
-        } catch (const std::exception &) {
-        }
-    }
+    llamaprompt::log_vformat((int) level, fmt, args);
     va_end(args);
 }

@@ -9,6 +9,7 @@
 #include <cxxabi.h>
 #endif
 
+#include <cstdarg>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -50,8 +51,10 @@ log_capture * exchange_log_capture(log_capture * capture) noexcept;
 // emit records (collected on any thread) to logging.getLogger("llamaprompt.llama_cpp"); needs the GIL
 void emit_records(const std::vector<log_record> & records);
 
-// a warning line for the capture active on this thread (dropped when there is none)
-void log_warning(const char * text);
+// a printf-formatted line (whole, however long) at ggml_log_level `level` for the capture active
+// on this thread: dropped when there is none, or when there is no memory for it (never thrown
+// into the upstream code that logs)
+void log_vformat(int level, const char * fmt, va_list args) noexcept;
 
 // Runs fn (which must hold the GIL when it returns) with a capture of the llama.cpp log
 // lines it causes on this thread, then emits them to Python's logging, also when fn throws

@@ -5,6 +5,7 @@
 // 256 of its characters) and each step over an object's optional properties checks the call's
 // time budget, and rule names are made without std::regex (rule_names.h: a stack overflow on
 // long names). The archive's copy of this object is then never linked.
+#include "ggml.h"
 #include "jinja_guard.h"
 #include "logging.h"
 #include "rule_names.h"
@@ -13,22 +14,11 @@
 #include <cstdio>
 #include <string>
 
-// the whole line, as upstream's fprintf prints it (a fixed buffer cut long patterns mid-character)
+// the whole line, as upstream's fprintf prints it
 static void llamaprompt_log_warning(FILE * /*stderr*/, const char * fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    va_list sized;
-    va_copy(sized, args);
-    const int n = vsnprintf(nullptr, 0, fmt, sized);
-    va_end(sized);
-    if (n >= 0) {
-        try {
-            std::string line(size_t(n), '\0');
-            vsnprintf(line.data(), size_t(n) + 1, fmt, args);
-            llamaprompt::log_warning(line.c_str());
-        } catch (const std::exception &) {  // no memory for the line: dropped, not thrown into upstream's code
-        }
-    }
+    llamaprompt::log_vformat(GGML_LOG_LEVEL_WARN, fmt, args);
     va_end(args);
 }
 
