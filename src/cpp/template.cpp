@@ -5,6 +5,7 @@
 #include "jinja_guard.h"
 #include "logging.h"
 #include "model.h"
+#include "request.h"
 #include "shim.h"
 #include "text.h"
 #include "tree.h"
@@ -28,59 +29,8 @@ namespace llamaprompt {
 
 namespace {
 
-// the request body, parsed as post_apply_template does (json::parse(req.body)): a
-// common_json_error is a std::runtime_error, so llama-server answers 500
-json parse_body(const std::string & text, size_t max_tools) {
-    // llama.cpp's JSON copies nest recursively: a body nested deeper than this would
-    // overflow the C++ stack (~150k levels in nlohmann's recursive copy), so it is refused
-    // first; llama-server has no such limit (it would crash)
-    constexpr int max_depth = 1000;
-    // an object's parse looks each new key up among the ones before it (ordered_json: a
-    // linear search), so its time grows with the square of its members: 30,000 keys ~2 s,
-    // 100,000 ~30 s, before any budget applies. Refused first: an object of more than 10,000
-    // members, and objects whose lookups add up to more than two such objects' (twelve of
-    // 10,000 took 3 s). llama-server has no such limit: it parses them.
-    constexpr size_t max_object_commas = 10000 - 1;
-    constexpr uint64_t max_lookups = uint64_t(max_object_commas) * (max_object_commas + 1);
-    uint64_t lookups = 0;  // a member after n others: n key comparisons
-    int depth = 0;
-    bool in_string = false;
-    std::vector<size_t> commas;  // per open object (arrays hold SIZE_MAX: not counted)
-    for (size_t i = 0; i < text.size(); ++i) {
-        const char c = text[i];
-        if (in_string) {
-            if (c == '\\') {
-                ++i;
-            } else if (c == '"') {
-                in_string = false;
-            }
-        } else if (c == '"') {
-            in_string = true;
-        } else if (c == '[' || c == '{') {
-            if (++depth > max_depth) {
-                throw error(error_kind::request, 400, "request is nested too deeply");
-            }
-            commas.push_back(c == '{' ? 0 : SIZE_MAX);
-        } else if (c == ']' || c == '}') {
-            --depth;
-            if (!commas.empty()) {
-                commas.pop_back();
-            }
-        } else if (c == ',' && !commas.empty() && commas.back() != SIZE_MAX) {
-            if (++commas.back() > max_object_commas) {
-                throw error(error_kind::request, 400,
-                            "a JSON object in the request has more than " + std::to_string(max_object_commas + 1) +
-                                " members (llamaprompt's limit)");
-            }
-            if ((lookups += commas.back()) > max_lookups) {
-                throw error(error_kind::request, 400,
-                            "the JSON objects in the request have too many members together: parsing them would "
-                            "take as long as more than two objects of " + std::to_string(max_object_commas + 1) +
-                                " members (llamaprompt's limit)");
-            }
-        }
-    }
-    json body = json::parse(text);
+// what parse_body refuses in a parsed body (llama-server has none of these limits)
+json check_body(json body, size_t max_tools) {
     // llama.cpp's parser and grammar generation grow faster than linearly with the number of
     // tools (5000 tools: ~7 s and 1.5 GB; 10^5 exhaust memory): refused above the limit
     if (max_tools && body.is_object() && body.contains("tools") && body.at("tools").is_array() &&
@@ -120,6 +70,65 @@ json parse_body(const std::string & text, size_t max_tools) {
         }
     }
     return body;
+}
+
+// the request body's JSON text, parsed as post_apply_template does (json::parse(req.body)):
+// a common_json_error is a std::runtime_error, so llama-server answers 500
+json parse_body(const std::string & text, size_t max_tools) {
+    // llama.cpp's JSON copies nest recursively: a body nested deeper than max_body_depth would
+    // overflow the C++ stack (~150k levels in nlohmann's recursive copy), so it is refused
+    // first; llama-server has no such limit (it would crash)
+    // an object's parse looks each new key up among the ones before it (ordered_json: a
+    // linear search), so its time grows with the square of its members: 30,000 keys ~2 s,
+    // 100,000 ~30 s, before any budget applies. Refused first: an object of more than
+    // max_object_members (10,000), and objects whose lookups add up to more than two such
+    // objects' (twelve of 10,000 took 3 s). llama-server has no such limit: it parses them.
+    constexpr size_t max_object_commas = max_object_members - 1;
+    uint64_t lookups = 0;  // a member after n others: n key comparisons
+    int depth = 0;
+    bool in_string = false;
+    std::vector<size_t> commas;  // per open object (arrays hold SIZE_MAX: not counted)
+    for (size_t i = 0; i < text.size(); ++i) {
+        const char c = text[i];
+        if (in_string) {
+            if (c == '\\') {
+                ++i;
+            } else if (c == '"') {
+                in_string = false;
+            }
+        } else if (c == '"') {
+            in_string = true;
+        } else if (c == '[' || c == '{') {
+            if (++depth > max_body_depth) {
+                throw error(error_kind::request, 400, "request is nested too deeply");
+            }
+            commas.push_back(c == '{' ? 0 : SIZE_MAX);
+        } else if (c == ']' || c == '}') {
+            --depth;
+            if (!commas.empty()) {
+                commas.pop_back();
+            }
+        } else if (c == ',' && !commas.empty() && commas.back() != SIZE_MAX) {
+            if (++commas.back() > max_object_commas) {
+                throw error(error_kind::request, 400,
+                            "a JSON object in the request has more than " + std::to_string(max_object_commas + 1) +
+                                " members (llamaprompt's limit)");
+            }
+            if ((lookups += commas.back()) > max_body_lookups) {
+                throw error(error_kind::request, 400,
+                            "the JSON objects in the request have too many members together: parsing them would "
+                            "take as long as more than two objects of " + std::to_string(max_object_commas + 1) +
+                                " members (llamaprompt's limit)");
+            }
+        }
+    }
+    return check_body(json::parse(text), max_tools);
+}
+
+// the body as the core received it: a tree (request.h: what json::parse gives for Python's
+// text of it) or the text
+json parse_body(body_in && in, size_t max_tools) {
+    return in.is_tree ? check_body(std::move(in.tree), max_tools) : parse_body(in.text, max_tools);
 }
 
 json trigger_to_json(const common_grammar_trigger & t) {
@@ -259,6 +268,13 @@ class core_template {
     }
     // how many apply_template calls took the prompt-only path (tests, benchmarks)
     uint64_t prompt_only_renders() const { return prompt_only_renders_->load(); }
+    // how many apply_template / apply bodies the core took as trees, not text (request.h; tests)
+    uint64_t tree_bodies() const { return tree_bodies_->load(); }
+    void count_tree(const body_in & body) const {
+        if (body.is_tree) {
+            tree_bodies_->fetch_add(1, std::memory_order_relaxed);
+        }
+    }
     const std::map<std::string, bool> & detected_caps() const { return detected_caps_; }
 
     // the chat-template part of GET /props (get_res_props in server-context.cpp)
@@ -282,14 +298,18 @@ class core_template {
         return props;
     }
 
-    // POST /apply-template: the prompt (`notices`: look for the watch_notices keys in the body;
-    // false for a body a hook made, whose keys the caller did not send)
-    py::object apply_template(const std::string & body_text, double timeout, bool notices) const {
+    // POST /apply-template: the prompt for a body given as JSON text (bytes) or a dict
+    // (request.h: take_body; `encode(dict)` -> bytes for a dict it does not take as a tree).
+    // `notices`: look for the watch_notices keys in the body; false for a body a hook made,
+    // whose keys the caller did not send.
+    py::object apply_template(py::handle request, double timeout, bool notices, py::handle encode) const {
+        body_in body = take_body(request, encode);
+        count_tree(body);
         std::atomic<uint32_t> seen{0};
         return with_log_capture([&]() {
             std::string prompt;
             try {
-                prompt = call_upstream([&]() { return prompt_for(body_text, timeout, notices ? &seen : nullptr); });
+                prompt = call_upstream([&]() { return prompt_for(std::move(body), timeout, notices ? &seen : nullptr); });
             } catch (const error &) {
                 notify_seen(seen.load());  // (no Python object of ours is alive: see with_log_capture)
                 throw;
@@ -299,25 +319,42 @@ class core_template {
         });
     }
 
-    // apply_template for each body, on `threads` threads (the GIL released throughout);
-    // each item is the prompt (str) or the llamaprompt.errors exception it raised
-    py::list apply_template_many(const std::vector<std::string> & bodies, int threads, double timeout) const {
+    // apply_template for each body (bytes or dict, as for apply_template), on `threads` threads
+    // (the GIL released throughout the renders); each item is the prompt (str) or the
+    // llamaprompt.errors exception it raised (or the exception `encode` raised for it)
+    py::list apply_template_many(const py::list & requests, int threads, double timeout, py::handle encode) const {
         struct outcome {
             std::string text;  // the prompt, or the error message
             int status = 0;    // 0: a prompt; else the HTTP status (400 / 500)
             std::vector<log_record> logs;  // llama.cpp's log lines of this render (emitted in order)
         };
+        std::vector<body_in> bodies(requests.size());
+        std::vector<py::object> refused(requests.size());  // what `encode` raised (untouched without the GIL)
+        for (size_t i = 0; i < bodies.size(); ++i) {
+            try {
+                bodies[i] = take_body(requests[i], encode);
+                count_tree(bodies[i]);
+            } catch (py::error_already_set & e) {
+                if (!e.matches(PyExc_Exception)) {
+                    throw;  // KeyboardInterrupt ...
+                }
+                refused[i] = e.value();
+            }
+        }
         std::vector<outcome> out(bodies.size());
         std::atomic<uint32_t> seen{0};
         without_gil([&]() {
             std::atomic<size_t> next{0};
             auto work = [&]() {
                 for (size_t i; (i = next++) < bodies.size();) {
+                    if (refused[i]) {
+                        continue;
+                    }
                     fork_hold hold;
                     log_capture logs;  // as apply_template's, per render
                     // the same classification as call_upstream (llama-server's ex_wrapper)
                     try {
-                        out[i].text = prompt_for(bodies[i], timeout, &seen);
+                        out[i].text = prompt_for(std::move(bodies[i]), timeout, &seen);
                     } catch (const error & e) {
                         out[i] = {e.what(), e.status ? e.status : 500};
                     } catch (const std::invalid_argument & e) {
@@ -340,8 +377,11 @@ class core_template {
             emit_records(o.logs);
         }
         py::list result;
-        for (const auto & o : out) {
-            if (o.status == 0) {
+        for (size_t i = 0; i < out.size(); ++i) {
+            const outcome & o = out[i];
+            if (refused[i]) {
+                result.append(refused[i]);
+            } else if (o.status == 0) {
                 result.append(text_to_py(o.text));
             } else {
                 result.append(make_py_error(o.status == 400 ? error_kind::request : error_kind::template_, o.status,
@@ -377,12 +417,14 @@ class core_template {
         return seconds < 0 ? py::object(py::none()) : py::object(py::float_(seconds));
     }
 
-    // the same call, everything it computes
-    py::object apply(const std::string & body_text, double timeout) const {
-        return with_log_capture([&]() { return apply_impl(body_text, timeout); });
+    // the same call, everything it computes (the body as for apply_template)
+    py::object apply(py::handle request, double timeout, py::handle encode) const {
+        body_in body = take_body(request, encode);
+        count_tree(body);
+        return with_log_capture([&]() { return apply_impl(std::move(body), timeout); });
     }
 
-    py::object apply_impl(const std::string & body_text, double timeout) const {
+    py::object apply_impl(body_in && in, double timeout) const {
         struct out_t {
             std::string json_text;  // bad UTF-8 replaced, as llama-server's JSON responses do
             std::string prompt;     // the exact bytes
@@ -390,7 +432,7 @@ class core_template {
         };
         out_t out = call_upstream([&]() {
             auto serial = serialize();
-            json body = parse_body(body_text, max_tools_);
+            json body = parse_body(std::move(in), max_tools_);
             handler_state st = handler_;
             scoped_handler in_force(st);
             apply_result res = budgeted(limits(timeout), [&]() { return apply_request(std::move(body), opt_, call_); });
@@ -508,9 +550,9 @@ class core_template {
     }
 
     // (`seen`: where the watch_notices keys the body has go; nullptr: not looked for)
-    std::string prompt_for(const std::string & body_text, double timeout, std::atomic<uint32_t> * seen) const {
+    std::string prompt_for(body_in && in, double timeout, std::atomic<uint32_t> * seen) const {
         auto serial = serialize();
-        json body = parse_body(body_text, max_tools_);
+        json body = parse_body(std::move(in), max_tools_);
         if (const uint32_t bits = seen ? notices_in(body) : 0) {
             seen->fetch_or(bits, std::memory_order_relaxed);
         }
@@ -662,6 +704,7 @@ class core_template {
     size_t max_tools_ = 0;
     std::shared_ptr<std::mutex> render_mutex_ = std::make_shared<std::mutex>();
     std::shared_ptr<std::atomic<uint64_t>> prompt_only_renders_ = std::make_shared<std::atomic<uint64_t>>(0);
+    std::shared_ptr<std::atomic<uint64_t>> tree_bodies_ = std::make_shared<std::atomic<uint64_t>>(0);
     std::vector<std::string> notice_keys_;  // watch_notices
     uint32_t notice_nonempty_ = 0;
     std::shared_ptr<std::atomic<uint32_t>> notice_pending_ = std::make_shared<std::atomic<uint32_t>>(0);
@@ -690,6 +733,7 @@ void register_template(py::module_ & m) {
         .def("detected_caps", &core_template::detected_caps)
         .def("use_jinja", &core_template::use_jinja)
         .def("prompt_only_renders", &core_template::prompt_only_renders)
+        .def("tree_bodies", &core_template::tree_bodies)
         .def("caps", &core_template::caps)
         .def("source", [](const core_template & t, const std::string & variant) { return text_to_py(t.source(variant)); },
              py::arg("variant"))
@@ -699,11 +743,12 @@ void register_template(py::module_ & m) {
              py::arg("pending"), py::arg("on_seen"))
         .def("props", &core_template::props)
         .def("apply_template", &core_template::apply_template, py::arg("body"), py::arg("timeout") = -1.0,
-             py::arg("notices") = true)
+             py::arg("notices") = true, py::arg("encode") = py::none())
         .def("apply_template_many", &core_template::apply_template_many, py::arg("bodies"), py::arg("threads"),
-             py::arg("timeout") = -1.0)
+             py::arg("timeout") = -1.0, py::arg("encode") = py::none())
         .def("time_direct_apply", &core_template::time_direct_apply, py::arg("body"), py::arg("repeat"))
-        .def("apply", &core_template::apply, py::arg("body"), py::arg("timeout") = -1.0)
+        .def("apply", &core_template::apply, py::arg("body"), py::arg("timeout") = -1.0,
+             py::arg("encode") = py::none())
         .def("normalize", &core_template::normalize, py::arg("body"))
         .def("template_inputs", &core_template::template_inputs, py::arg("body"), py::arg("timeout") = -1.0)
         .def("render_inputs", &core_template::render_inputs, py::arg("context"), py::arg("variant"),

@@ -421,16 +421,18 @@ def bench_template(
 
     rows: dict[str, dict[str, Any]] = {}
     for name, request in requests.items():
+        # llamaprompt as a Python stack calls it (the request's objects, as the Python peers get
+        # them); llama-server gets the JSON text over HTTP
         body = json.dumps(request, ensure_ascii=False).encode()
         row: dict[str, Any] = {}
         try:
-            prompt: str | None = fast.apply_template(body)
+            prompt: str | None = fast.apply_template(request)
         except Error as e:
             prompt, row["error"] = None, e.message
         row["ok"] = prompt is not None
-        row["llamaprompt"] = _per_call(_quiet(partial(fast.apply_template, body)), min_time)
+        row["llamaprompt"] = _per_call(_quiet(partial(fast.apply_template, request)), min_time)
         if upstream is not None:
-            row["upstream"] = _per_call(_quiet(partial(upstream.apply_template, body)), min_time)
+            row["upstream"] = _per_call(_quiet(partial(upstream.apply_template, request)), min_time)
         for peer, render in renderers.items():
             variables = _jinja2_kwargs(request, fast.bos_token, fast.eos_token)
             try:
@@ -473,7 +475,7 @@ def bench_template(
 
     # apply_template_many on 1 and N threads: the request set repeated to fill min_time per
     # batch, 1 and N alternated three times, the median of each (thread timings are noisy)
-    bodies = [json.dumps(r, ensure_ascii=False).encode() for r in requests.values()]
+    bodies = list(requests.values())
     per_body = max(row["llamaprompt"] for row in rows.values()) if rows else 0.0
     batch = bodies * max(1, int(min_time / max(per_body * len(bodies), 1e-9)) + 1) * threads
     samples: dict[int, list[float]] = {n: [] for n in sorted({1, threads})}

@@ -27,7 +27,7 @@ from .options import (
     call_timeout,
 )
 from .params import ChatParams
-from .text import Request, fspath, messages_list, request_body, utf8
+from .text import Request, core_body, fspath, messages_list, request_body, utf8
 
 if TYPE_CHECKING:
     from ._core import Model as _CoreModel
@@ -639,11 +639,12 @@ class ChatTemplate:
             self._notices.check(request)
         seconds = call_timeout(timeout)
         if not hooks:
-            prompt = self._core.apply_template(request_body(request), seconds)
+            prompt = self._core.apply_template(core_body(request), seconds, encode=request_body)
         elif any(hasattr(h, "after_params") for h in hooks):
             prompt = self._apply_hooked(request, hooks, seconds).prompt
         else:  # (the notices were for the caller's request, not the hooks' body)
-            prompt = self._core.apply_template(request_body(_before(request, hooks)), seconds, notices=False)
+            body = core_body(_before(request, hooks))
+            prompt = self._core.apply_template(body, seconds, notices=False, encode=request_body)
         if tokens:
             return PromptTokens(prompt, self.tokenize(prompt, add_special=True, parse_special=True))
         return prompt
@@ -715,13 +716,13 @@ class ChatTemplate:
             bodies: list[Any] = []
             for request in items:
                 try:
-                    bodies.append(request_body(request))
+                    bodies.append(core_body(request))
                 except (Error, TypeError, ValueError) as e:  # this request's own problem
                     bodies.append(e)
-            to_render = [b for b in bodies if isinstance(b, bytes)]
+            to_render = [b for b in bodies if not isinstance(b, Exception)]
             n = min(threads, max(1, len(to_render)))  # more threads than requests would wait idle
-            rendered = iter(self._core.apply_template_many(to_render, n, call_timeout(timeout)))
-            results = [next(rendered) if isinstance(b, bytes) else b for b in bodies]
+            rendered = iter(self._core.apply_template_many(to_render, n, call_timeout(timeout), encode=request_body))
+            results = [b if isinstance(b, Exception) else next(rendered) for b in bodies]
         if not return_exceptions:
             for r in results:
                 if isinstance(r, Exception):
@@ -729,7 +730,8 @@ class ChatTemplate:
         return results
 
     def _apply_hooked(self, request: Request, hooks: list[Any], seconds: float = -1.0) -> ChatParams:
-        params = ChatParams._from_core(self._core.apply(request_body(_before(request, hooks)), seconds), self)
+        body = core_body(_before(request, hooks))
+        params = ChatParams._from_core(self._core.apply(body, seconds, encode=request_body), self)
         for hook in hooks:
             after = getattr(hook, "after_params", None)
             if after is not None:
@@ -750,7 +752,7 @@ class ChatTemplate:
         seconds = call_timeout(timeout)
         if hooks:
             return self._apply_hooked(request, hooks, seconds)
-        return ChatParams._from_core(self._core.apply(request_body(request), seconds), self)
+        return ChatParams._from_core(self._core.apply(core_body(request), seconds, encode=request_body), self)
 
     def normalize(
         self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None

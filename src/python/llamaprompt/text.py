@@ -64,6 +64,13 @@ def request_body(request: Request) -> bytes:
     return utf8(text)
 
 
+def core_body(request: Request) -> bytes | dict[str, Any]:
+    """A request as ``_core`` takes it: a dict as it is (the core builds the JSON tree from
+    its values, or calls :func:`request_body` on it when it holds anything else), anything
+    else as :func:`request_body` gives it."""
+    return request if type(request) is dict else request_body(request)
+
+
 def json_safe(text: str) -> str:
     """Text that can be written as UTF-8 JSON: bytes that were not UTF-8 (kept as surrogate
     escapes, as prompts and template sources come back) become U+FFFD, as llama-server's JSON

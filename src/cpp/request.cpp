@@ -1,0 +1,143 @@
+#include "request.h"
+
+#include <climits>
+#include <utility>
+
+namespace py = pybind11;
+
+namespace llamaprompt {
+
+namespace {
+
+struct tree_builder {
+    uint64_t lookups = 0;  // as parse_body counts them for the text
+
+    // a str's UTF-8, or false for one that has none (a lone surrogate)
+    static bool utf8(PyObject * s, std::string & out) {
+        if (PyUnicode_IS_COMPACT_ASCII(s)) {
+            out.assign(static_cast<const char *>(PyUnicode_DATA(s)), size_t(PyUnicode_GET_LENGTH(s)));
+            return true;
+        }
+        Py_ssize_t n = 0;
+        // (cached in the str object by CPython, as a later encode would cache it)
+        const char * data = PyUnicode_AsUTF8AndSize(s, &n);
+        if (!data) {
+            PyErr_Clear();
+            return false;
+        }
+        out.assign(data, size_t(n));
+        return true;
+    }
+
+    bool build(PyObject * v, common_json & out, int depth) {
+        if (v == Py_None) {
+            out = common_json(nullptr);
+        } else if (v == Py_True || v == Py_False) {
+            out = common_json(v == Py_True);
+        } else if (PyUnicode_CheckExact(v)) {
+            std::string s;
+            if (!utf8(v, s)) {
+                return false;
+            }
+            out = common_json(std::move(s));
+        } else if (PyLong_CheckExact(v)) {
+            // JSON text of an int: "-..." parses as a signed integer, digits alone as an
+            // unsigned one; beyond 64 bits as a double (the text path gives that)
+            int overflow = 0;
+            const long long i = PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow == 0 && !(i == -1 && PyErr_Occurred())) {
+                out = i < 0 ? common_json(int64_t(i)) : common_json(uint64_t(i));
+            } else if (overflow > 0) {
+                PyErr_Clear();
+                const unsigned long long u = PyLong_AsUnsignedLongLong(v);
+                if (u == (unsigned long long) -1 && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    return false;
+                }
+                out = common_json(uint64_t(u));
+            } else {
+                PyErr_Clear();
+                return false;
+            }
+        } else if (PyFloat_CheckExact(v)) {
+            // repr() reads back as the same double; NaN and the infinities are no JSON
+            const double d = PyFloat_AS_DOUBLE(v);
+            if (!(d - d == 0)) {
+                return false;
+            }
+            out = common_json(d);
+        } else if (PyList_CheckExact(v)) {
+            if (depth >= tree_depth) {
+                return false;
+            }
+            common_json a = common_json::array();
+            // (the list cannot change meanwhile: no Python code runs here)
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); ++i) {
+                common_json item;
+                if (!build(PyList_GET_ITEM(v, i), item, depth + 1)) {
+                    return false;
+                }
+                a.push_back(std::move(item));
+            }
+            out = std::move(a);
+        } else if (PyDict_CheckExact(v)) {
+            if (depth >= tree_depth) {
+                return false;
+            }
+            const uint64_t n = uint64_t(PyDict_GET_SIZE(v));
+            if (n > max_object_members || (lookups += n ? n * (n - 1) / 2 : 0) > max_body_lookups) {
+                return false;  // the text path refuses it, with its message
+            }
+            common_json o = common_json::object();
+            Py_ssize_t pos = 0;
+            PyObject * key = nullptr;
+            PyObject * value = nullptr;
+            std::string k;
+            while (PyDict_Next(v, &pos, &key, &value)) {
+                common_json item;
+                if (!PyUnicode_CheckExact(key) || !utf8(key, k) || !build(value, item, depth + 1)) {
+                    return false;
+                }
+                o[k] = std::move(item);
+            }
+            out = std::move(o);
+        } else {
+            return false;
+        }
+        return true;
+    }
+};
+
+}  // namespace
+
+bool body_tree(PyObject * request, common_json & out) {
+    if (!PyDict_CheckExact(request)) {
+        return false;
+    }
+    tree_builder b;
+    return b.build(request, out, 0);
+}
+
+body_in take_body(py::handle request, py::handle encode) {
+    body_in body;
+    if (PyDict_CheckExact(request.ptr())) {
+        if (body_tree(request.ptr(), body.tree)) {
+            body.is_tree = true;
+            return body;
+        }
+        body.tree = common_json();
+        if (encode.is_none()) {
+            throw py::type_error("a dict body this core does not take as a tree needs `encode`");
+        }
+        py::object text = encode(request);
+        body.text = text.cast<std::string>();
+        return body;
+    }
+    if (!PyBytes_Check(request.ptr())) {
+        throw py::type_error("a request body is bytes or a dict");
+    }
+    body.text = request.cast<std::string>();
+    return body;
+}
+
+}  // namespace llamaprompt
