@@ -18,14 +18,14 @@ struct tree_builder {
             out.assign(static_cast<const char *>(PyUnicode_DATA(s)), size_t(PyUnicode_GET_LENGTH(s)));
             return true;
         }
-        Py_ssize_t n = 0;
-        // (cached in the str object by CPython, as a later encode would cache it)
-        const char * data = PyUnicode_AsUTF8AndSize(s, &n);
-        if (!data) {
+        // (a bytes object of its own: PyUnicode_AsUTF8 would keep a copy in the caller's str)
+        PyObject * bytes = PyUnicode_AsUTF8String(s);
+        if (!bytes) {
             PyErr_Clear();
             return false;
         }
-        out.assign(data, size_t(n));
+        out.assign(PyBytes_AS_STRING(bytes), size_t(PyBytes_GET_SIZE(bytes)));
+        Py_DECREF(bytes);
         return true;
     }
 
