@@ -295,6 +295,29 @@ def test_diff_versions_cli(other_core, tmp_path, capsys):
     assert "no llama.cpp core '0.0.1'" in capsys.readouterr().err
 
 
+def test_worker_gets_json_text_not_pickled_dicts(other_core):
+    """A request dict for another tree's core goes to its worker as JSON text (an in-process
+    core takes the dict itself: test_request_tree.py): a value of a class only this process
+    has, or one no pickle holds, gets the answer JSON text gives, not a dead worker or a
+    pickling error (found by a trial)."""
+    import enum
+
+    class Level(enum.IntEnum):  # a local class: no worker could unpickle it
+        HIGH = 3
+
+    source = "{{ messages[0].content }}|{% if v is defined %}{{ v | tojson }}{% endif %}"
+    t = llamaprompt.ChatTemplate(source, llama_cpp=OTHER)
+    here = llamaprompt.ChatTemplate(source)
+    request = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"v": Level.HIGH}}
+    assert t.apply_template(request) == here.apply_template(request) == "hi|3"
+    assert t.apply(request).prompt == "hi|3"
+    unpicklable = {"messages": [], "chat_template_kwargs": {"v": (x for x in ())}}
+    with pytest.raises(llamaprompt.RequestError, match="not JSON serializable"):
+        t.apply_template(unpicklable)
+    got = t.apply_template_many([request, unpicklable], return_exceptions=True)
+    assert got[0] == "hi|3" and isinstance(got[1], llamaprompt.RequestError)
+
+
 def test_worker_errors_pickling_and_parse(other_core):
     t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"), llama_cpp=OTHER)
     with pytest.raises(llamaprompt.RequestError) as info:

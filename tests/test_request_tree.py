@@ -14,6 +14,9 @@ from __future__ import annotations
 import collections
 import json
 import math
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
@@ -250,3 +253,84 @@ def test_apply_takes_the_tree_too():
     assert t._core.tree_bodies() == before + 1
     assert as_tree.prompt == as_text.prompt and as_tree.grammar == as_text.grammar
     assert as_tree.llama_params == as_text.llama_params
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    """``code`` (indented as in a test) after _SETUP, in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-c", _SETUP + textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
+
+
+_SETUP = f"""
+import json, resource, sys, threading, types, llamaprompt
+t = llamaprompt.ChatTemplate({SOURCE!r})
+def nested(depth):
+    v = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+def request(v):
+    return {{"messages": [{{"role": "user", "content": "hi"}}], "chat_template_kwargs": {{"v": v}}}}
+def outcome(r):
+    try:
+        return t.apply_template(r)
+    except llamaprompt.Error as e:
+        return (type(e).__name__, e.status, e.message)
+"""
+
+
+def test_a_thread_with_a_small_stack_takes_the_text_path():
+    """The tree is built on the caller's stack: a thread made with a small stack
+    (threading.stack_size) gets the text path instead of a stack overflow (found by a trial:
+    200 levels overflowed 64 KiB)."""
+    proc = _run("""
+    r = request(nested(200))
+    out = {}
+    def run():
+        before = t._core.tree_bodies()
+        out["got"] = outcome(r)
+        out["trees"] = t._core.tree_bodies() - before
+    threading.stack_size(64 * 1024)
+    th = threading.Thread(target=run); th.start(); th.join()
+    print(json.dumps([out["got"] == outcome(types.MappingProxyType(r)), out["trees"], out["got"][:9]]))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [True, 0, "[user|hi]"]
+
+
+def test_a_request_that_holds_itself_is_refused_without_copying_it():
+    """A cycle is refused as json.dumps refuses it ("Circular reference detected"), found before
+    the tree copies the cycle level after level (4 MB x 256 levels, before the check)."""
+    proc = _run("""
+    big = ["x" * 4_000_000]
+    big.append(big)
+    before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    got = outcome(request(big))
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_rss) / 1024
+    print(json.dumps([got, grew_mib < 100]))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    got, small = json.loads(proc.stdout)
+    assert got[:2] == ["RequestError", 400] and "Circular reference detected" in got[2]
+    assert small
+
+
+def test_nesting_past_pythons_recursion_limit_answers_as_for_the_encoder():
+    """Python's encoder raises RecursionError at the recursion limit ("request is nested too
+    deeply"); the tree declines before that depth, so the dict gets the encoder's answer."""
+    proc = _run("""
+    r = request(nested(150))
+    sys.setrecursionlimit(100)
+    before = t._core.tree_bodies()
+    got = outcome(r)
+    trees = t._core.tree_bodies() - before
+    want = outcome(types.MappingProxyType(r))
+    sys.setrecursionlimit(1000)
+    print(json.dumps([got, want, trees, outcome(r)[:9]]))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    got, want, trees, unlimited = json.loads(proc.stdout)
+    assert got == want == ["RequestError", 400, "request is nested too deeply"]
+    assert trees == 0
+    assert unlimited == "[user|hi]"

@@ -1,7 +1,12 @@
 #include "request.h"
 
+#include "gil.h"
+#include "jinja_guard.h"
+
+#include <algorithm>
 #include <climits>
 #include <utility>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -9,8 +14,34 @@ namespace llamaprompt {
 
 namespace {
 
+// Python's recursion counter for one container level, as the json encoder takes one per list
+// or dict (Py_EnterRecursiveCall): where the encoder would raise RecursionError (the text path's
+// "request is nested too deeply"), the builder declines first
+struct recursion_level {
+    bool entered;
+    recursion_level() : entered(Py_EnterRecursiveCall(" while building a request") == 0) {
+        if (!entered) {
+            PyErr_Clear();
+        }
+    }
+    ~recursion_level() {
+        if (entered) {
+            Py_LeaveRecursiveCall();
+        }
+    }
+    recursion_level(const recursion_level &) = delete;
+    recursion_level & operator=(const recursion_level &) = delete;
+};
+
+// the frames between ChatTemplate's call and the encoder's first level (request_body, encode,
+// iterencode) and a few more: the builder runs that many levels closer to the limit
+constexpr int encoder_frames_margin = 8;
+
 struct tree_builder {
     uint64_t lookups = 0;  // as parse_body counts them for the text
+    // the containers being built, outermost first: one met again is a cycle, which the encoder
+    // refuses ("Circular reference detected") -- found here before copying it 256 times over
+    std::vector<PyObject *> path;
 
     // a str's UTF-8, or false for one that has none (a lone surrogate)
     static bool utf8(PyObject * s, std::string & out) {
@@ -67,9 +98,11 @@ struct tree_builder {
             }
             out = common_json(d);
         } else if (PyList_CheckExact(v)) {
-            if (depth >= tree_depth) {
+            recursion_level level;
+            if (depth >= tree_depth || !level.entered || std::find(path.begin(), path.end(), v) != path.end()) {
                 return false;
             }
+            path.push_back(v);
             common_json a = common_json::array();
             // (the list cannot change meanwhile: no Python code runs here)
             for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); ++i) {
@@ -79,15 +112,18 @@ struct tree_builder {
                 }
                 a.push_back(std::move(item));
             }
+            path.pop_back();
             out = std::move(a);
         } else if (PyDict_CheckExact(v)) {
-            if (depth >= tree_depth) {
+            recursion_level level;
+            if (depth >= tree_depth || !level.entered || std::find(path.begin(), path.end(), v) != path.end()) {
                 return false;
             }
             const uint64_t n = uint64_t(PyDict_GET_SIZE(v));
             if (n > max_object_members || (lookups += n ? n * (n - 1) / 2 : 0) > max_body_lookups) {
                 return false;  // the text path refuses it, with its message
             }
+            path.push_back(v);
             common_json o = common_json::object();
             Py_ssize_t pos = 0;
             PyObject * key = nullptr;
@@ -100,6 +136,7 @@ struct tree_builder {
                 }
                 o[k] = std::move(item);
             }
+            path.pop_back();
             out = std::move(o);
         } else {
             return false;
@@ -111,8 +148,24 @@ struct tree_builder {
 }  // namespace
 
 bool body_tree(PyObject * request, common_json & out) {
-    if (!PyDict_CheckExact(request)) {
+    // a thread with a small stack (threading.stack_size) builds no tree: the builder recurses
+    // per level on the caller's stack (the call itself then moves to a big stack: gil.h)
+    if (!PyDict_CheckExact(request) || stack_left() < min_stack_left) {
         return false;
+    }
+    struct margin_levels {
+        int entered = 0;
+        ~margin_levels() {
+            for (; entered > 0; --entered) {
+                Py_LeaveRecursiveCall();
+            }
+        }
+    } margin;
+    for (; margin.entered < encoder_frames_margin; ++margin.entered) {
+        if (Py_EnterRecursiveCall(" while building a request") != 0) {
+            PyErr_Clear();
+            return false;
+        }
     }
     tree_builder b;
     return b.build(request, out, 0);

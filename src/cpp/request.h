@@ -31,8 +31,9 @@ struct body_in {
 // list, str (UTF-8, no lone surrogates), int in [-2^63, 2^64), finite float, bool, None --
 // each of exactly that type -- nested at most `tree_depth` levels, its objects within
 // parse_body's member limits. False for anything else (a subclass, a tuple, a non-str key,
-// NaN, a big int, a lone surrogate ...): the text path then decides, exactly as before.
-// Needs the GIL; runs no Python code.
+// NaN, a big int, a lone surrogate, a container that holds itself, nesting that would reach
+// Python's recursion limit in the encoder, a caller's thread with a small stack): the text path
+// then decides, exactly as before. Needs the GIL; runs no Python code.
 constexpr int tree_depth = 256;  // deeper: Python's encoder may refuse it (its recursion limit)
 bool body_tree(PyObject * request, common_json & out);
 

@@ -294,6 +294,9 @@ class ChatTemplate:
         self._model = model
         self._tokens = tokens
         self._core = core()
+        # a request dict goes to an in-process core as it is (text.core_body); a worker's core
+        # (llama_cpp= another tree) gets JSON text: a dict would be pickled, classes and all
+        self._body: Callable[[Request], Any] = core_body if isinstance(lib, types.ModuleType) else request_body
         kinds = opts.media
         self._core.set_media("image" in kinds, "audio" in kinds, "video" in kinds)
         self._notices = Notices(gguf_path or "template " + template_sha256(self.source)[:12], self._core.caps())
@@ -639,11 +642,11 @@ class ChatTemplate:
             self._notices.check(request)
         seconds = call_timeout(timeout)
         if not hooks:
-            prompt = self._core.apply_template(core_body(request), seconds, encode=request_body)
+            prompt = self._core.apply_template(self._body(request), seconds, encode=request_body)
         elif any(hasattr(h, "after_params") for h in hooks):
             prompt = self._apply_hooked(request, hooks, seconds).prompt
         else:  # (the notices were for the caller's request, not the hooks' body)
-            body = core_body(_before(request, hooks))
+            body = self._body(_before(request, hooks))
             prompt = self._core.apply_template(body, seconds, notices=False, encode=request_body)
         if tokens:
             return PromptTokens(prompt, self.tokenize(prompt, add_special=True, parse_special=True))
@@ -716,7 +719,7 @@ class ChatTemplate:
             bodies: list[Any] = []
             for request in items:
                 try:
-                    bodies.append(core_body(request))
+                    bodies.append(self._body(request))
                 except (Error, TypeError, ValueError) as e:  # this request's own problem
                     bodies.append(e)
             to_render = [b for b in bodies if not isinstance(b, Exception)]
@@ -730,7 +733,7 @@ class ChatTemplate:
         return results
 
     def _apply_hooked(self, request: Request, hooks: list[Any], seconds: float = -1.0) -> ChatParams:
-        body = core_body(_before(request, hooks))
+        body = self._body(_before(request, hooks))
         params = ChatParams._from_core(self._core.apply(body, seconds, encode=request_body), self)
         for hook in hooks:
             after = getattr(hook, "after_params", None)
@@ -752,7 +755,7 @@ class ChatTemplate:
         seconds = call_timeout(timeout)
         if hooks:
             return self._apply_hooked(request, hooks, seconds)
-        return ChatParams._from_core(self._core.apply(core_body(request), seconds, encode=request_body), self)
+        return ChatParams._from_core(self._core.apply(self._body(request), seconds, encode=request_body), self)
 
     def normalize(
         self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
