@@ -4,7 +4,6 @@
 #include "jinja_guard.h"
 
 #include <algorithm>
-#include <climits>
 #include <utility>
 #include <vector>
 

@@ -662,7 +662,8 @@ class ChatTemplate:
     ) -> list[Any]:
         """:meth:`apply_template` for many requests, rendered on ``threads`` C++ threads.
 
-        The requests are serialized first (in this thread); then the GIL is released once
+        The requests are read first, in this thread (a dict becomes llama.cpp's JSON tree, or
+        its JSON text: README, "Requests"); then the GIL is released once
         for the whole batch and the renders run in parallel inside llama.cpp: on the calling
         thread and ``threads - 1`` C++ threads that are kept between calls (warm for the
         next batch; each leaves after 10 s without work). At most max(8, 4 x the CPU count)
