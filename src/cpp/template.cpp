@@ -270,10 +270,13 @@ class core_template {
     uint64_t prompt_only_renders() const { return prompt_only_renders_->load(); }
     // how many apply_template / apply bodies the core took as trees, not text (request.h; tests)
     uint64_t tree_bodies() const { return tree_bodies_->load(); }
-    void count_tree(const body_in & body) const {
+    // take_body, counted
+    body_in take(py::handle request, py::handle encode) const {
+        body_in body = take_body(request, encode);
         if (body.is_tree) {
             tree_bodies_->fetch_add(1, std::memory_order_relaxed);
         }
+        return body;
     }
     const std::map<std::string, bool> & detected_caps() const { return detected_caps_; }
 
@@ -303,8 +306,7 @@ class core_template {
     // `notices`: look for the watch_notices keys in the body; false for a body a hook made,
     // whose keys the caller did not send.
     py::object apply_template(py::handle request, double timeout, bool notices, py::handle encode) const {
-        body_in body = take_body(request, encode);
-        count_tree(body);
+        body_in body = take(request, encode);
         std::atomic<uint32_t> seen{0};
         return with_log_capture([&]() {
             std::string prompt;
@@ -332,8 +334,7 @@ class core_template {
         std::vector<py::object> refused(requests.size());  // what `encode` raised (untouched without the GIL)
         for (size_t i = 0; i < bodies.size(); ++i) {
             try {
-                bodies[i] = take_body(requests[i], encode);
-                count_tree(bodies[i]);
+                bodies[i] = take(requests[i], encode);
             } catch (py::error_already_set & e) {
                 if (!e.matches(PyExc_Exception)) {
                     throw;  // KeyboardInterrupt ...
@@ -419,8 +420,7 @@ class core_template {
 
     // the same call, everything it computes (the body as for apply_template)
     py::object apply(py::handle request, double timeout, py::handle encode) const {
-        body_in body = take_body(request, encode);
-        count_tree(body);
+        body_in body = take(request, encode);
         return with_log_capture([&]() { return apply_impl(std::move(body), timeout); });
     }
 
