@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ import pytest
 
 import llamaprompt
 from conftest import load_reference, mask_dates, reference_cases, template_path, vocab_gguf
+from llamaprompt.text import request_body
 
 
 def test_threads_give_sequential_prompts():
@@ -130,6 +132,62 @@ def test_apply_template_many_in_a_forked_child():
     child.join(timeout=60)
     assert child.exitcode == 0
     assert got == expected == [t.apply_template(r) for r in reqs]
+
+
+def _later_bodies_encoded(t: llamaprompt.ChatTemplate, n: int, encode) -> list:
+    # n request dicts of which the second half hold a tuple, which the core does not take as a
+    # tree: it calls `encode` for each of those, after taking the first half as trees
+    reqs = _greetings(n)
+    for r in reqs[n // 2 :]:
+        r["messages"] = tuple(r["messages"])
+    return t._core.apply_template_many(reqs, 2, -1.0, encode=encode)
+
+
+def test_apply_template_many_renders_while_it_reads_the_requests():
+    # template.cpp: the pool's threads render the requests already read while the calling thread
+    # (GIL held) reads the next ones: renders counted before the first `encode` call returns
+    t = _qwen()
+    reqs = _greetings(8)
+    t.apply_template(reqs[0])  # its parser inputs known good: the next renders are prompt-only
+    base = t._core.prompt_only_renders()
+    rendered_before_read: list[int] = []
+
+    def encode(request):
+        if not rendered_before_read:
+            deadline = time.monotonic() + 5
+            while t._core.prompt_only_renders() == base and time.monotonic() < deadline:
+                time.sleep(0.001)
+            rendered_before_read.append(t._core.prompt_only_renders() - base)
+        return request_body(request)
+
+    got = _later_bodies_encoded(t, 8, encode)
+    assert got == [t.apply_template(r) for r in reqs]
+    assert rendered_before_read and rendered_before_read[0] >= 1
+
+
+def test_apply_template_many_interrupted_while_reading_the_requests():
+    # a KeyboardInterrupt from reading a request (here: `encode`) reaches the caller; the pool's
+    # threads waiting for requests stop instead of waiting for good, and the next call works
+    t = _qwen()
+    outcome: list[BaseException | None] = []
+
+    def encode(request):
+        raise KeyboardInterrupt
+
+    def call():
+        try:
+            _later_bodies_encoded(t, 8, encode)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 (the test looks at it)
+            outcome.append(e)
+
+    runner = threading.Thread(target=call, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "apply_template_many hung after the interruption"
+    assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt)
+    reqs = _greetings(8)
+    assert t.apply_template_many(reqs, threads=2) == [t.apply_template(r) for r in reqs]
 
 
 def test_apply_template_many_called_from_several_threads_at_once():

@@ -104,12 +104,12 @@ struct tree_builder {
             path.push_back(v);
             common_json a = common_json::array();
             // (the list cannot change meanwhile: no Python code runs here)
+            // each item built in place (a partly built tree is dropped whole)
             for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); ++i) {
-                common_json item;
-                if (!build(PyList_GET_ITEM(v, i), item, depth + 1)) {
+                a.push_back(nullptr);
+                if (!build(PyList_GET_ITEM(v, i), a.back(), depth + 1)) {
                     return false;
                 }
-                a.push_back(std::move(item));
             }
             path.pop_back();
             out = std::move(a);
@@ -129,11 +129,9 @@ struct tree_builder {
             PyObject * value = nullptr;
             std::string k;
             while (PyDict_Next(v, &pos, &key, &value)) {
-                common_json item;
-                if (!PyUnicode_CheckExact(key) || !utf8(key, k) || !build(value, item, depth + 1)) {
+                if (!PyUnicode_CheckExact(key) || !utf8(key, k) || !build(value, o[k], depth + 1)) {
                     return false;
                 }
-                o[k] = std::move(item);
             }
             path.pop_back();
             out = std::move(o);

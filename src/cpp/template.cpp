@@ -16,7 +16,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -332,45 +334,76 @@ class core_template {
         };
         std::vector<body_in> bodies(requests.size());
         std::vector<py::object> refused(requests.size());  // what `encode` raised (untouched without the GIL)
-        for (size_t i = 0; i < bodies.size(); ++i) {
-            try {
-                bodies[i] = take(requests[i], encode);
-            } catch (py::error_already_set & e) {
-                if (!e.matches(PyExc_Exception)) {
-                    throw;  // KeyboardInterrupt ...
-                }
-                refused[i] = e.value();
-            }
-        }
         std::vector<outcome> out(bodies.size());
         std::atomic<uint32_t> seen{0};
-        without_gil([&]() {
-            std::atomic<size_t> next{0};
-            auto work = [&]() {
-                for (size_t i; (i = next++) < bodies.size();) {
-                    if (refused[i]) {
-                        continue;
+        // the bodies taken so far: the renders start on the pool's threads while this thread,
+        // GIL held, still takes the next ones (the pool's threads touch no Python object)
+        struct {
+            std::mutex mutex;
+            std::condition_variable more;
+            size_t ready = 0;
+            bool closed = false;  // no more to come (all taken, or taking them failed)
+        } feed;
+        std::atomic<size_t> next{0};
+        const std::function<void()> work = [&]() {  // (thread_batch keeps a reference to it)
+            for (size_t i; (i = next++) < bodies.size();) {
+                {
+                    std::unique_lock<std::mutex> lock(feed.mutex);
+                    feed.more.wait(lock, [&] { return feed.ready > i || feed.closed; });
+                    if (feed.ready <= i) {
+                        return;
                     }
-                    fork_hold hold;
-                    log_capture logs;  // as apply_template's, per render
-                    // the same classification as call_upstream (llama-server's ex_wrapper)
-                    try {
-                        out[i].text = prompt_for(std::move(bodies[i]), timeout, &seen);
-                    } catch (const error & e) {
-                        out[i] = {e.what(), e.status ? e.status : 500};
-                    } catch (const std::invalid_argument & e) {
-                        out[i] = {e.what(), 400};
-                    } catch (const std::exception & e) {
-                        out[i] = {e.what(), 500};
-                    } catch (...) {
-                        out[i] = {"unknown error", 500};
-                    }
-                    out[i].logs = logs.records();
                 }
-            };
-            // the calling thread and threads kept between calls (worker_pool.h)
-            run_on_threads(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
-        }, gil_released::per_render);
+                if (refused[i]) {
+                    continue;
+                }
+                fork_hold hold;
+                log_capture logs;  // as apply_template's, per render
+                // the same classification as call_upstream (llama-server's ex_wrapper)
+                try {
+                    out[i].text = prompt_for(std::move(bodies[i]), timeout, &seen);
+                } catch (const error & e) {
+                    out[i] = {e.what(), e.status ? e.status : 500};
+                } catch (const std::invalid_argument & e) {
+                    out[i] = {e.what(), 400};
+                } catch (const std::exception & e) {
+                    out[i] = {e.what(), 500};
+                } catch (...) {
+                    out[i] = {"unknown error", 500};
+                }
+                out[i].logs = logs.records();
+            }
+        };
+        // the calling thread and threads kept between calls (worker_pool.h)
+        thread_batch batch(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
+        {
+            struct closing {  // also when taking a body throws: the pool's threads stop
+                decltype(feed) & f;
+                ~closing() {
+                    {
+                        std::lock_guard<std::mutex> lock(f.mutex);
+                        f.closed = true;
+                    }
+                    f.more.notify_all();
+                }
+            } close_feed{feed};
+            for (size_t i = 0; i < bodies.size(); ++i) {
+                try {
+                    bodies[i] = take(requests[i], encode);
+                } catch (py::error_already_set & e) {
+                    if (!e.matches(PyExc_Exception)) {
+                        throw;  // KeyboardInterrupt ...
+                    }
+                    refused[i] = e.value();
+                }
+                {
+                    std::lock_guard<std::mutex> lock(feed.mutex);
+                    feed.ready = i + 1;
+                }
+                feed.more.notify_all();
+            }
+        }
+        without_gil([&]() { batch.join(); }, gil_released::per_render);
         // the notices first (as apply_template's), then the log, in order, then the results: no
         // Python object of ours is alive while the handlers run (with_log_capture says why)
         notify_seen(seen.load());

@@ -118,58 +118,86 @@ size_t max_threads() {
 
 }  // namespace
 
-void run_on_threads(size_t n, const std::function<void()> & fn) {
+struct thread_batch::state {
+    batch b;
+    pool * p = nullptr;  // none: n <= 1, the calling thread alone
+    bool joined = false;
+
+    // this call's entries that no worker has taken yet (none could be started, or all are busy
+    // with other calls): run here (`run`: where they return at once, the work being done) or
+    // dropped, then wait for the ones taken
+    std::exception_ptr finish_entries(bool run) {
+        {
+            std::unique_lock<std::mutex> lock(p->mutex);
+            for (auto it = p->queue.begin(); it != p->queue.end();) {
+                if (*it != &b) {
+                    ++it;
+                    continue;
+                }
+                p->queue.erase(it);
+                lock.unlock();
+                finish(b, run ? call(*b.fn) : nullptr);
+                lock.lock();
+                it = p->queue.begin();
+            }
+        }
+        std::unique_lock<std::mutex> lock(b.mutex);
+        b.done.wait(lock, [&] { return b.pending == 0; });
+        return b.error;
+    }
+};
+
+thread_batch::thread_batch(size_t n, const std::function<void()> & fn) : state_(std::make_unique<state>()) {
     n = std::min(n, max_threads());
+    state_->b.fn = &fn;
     if (n <= 1) {
-        fn();
         return;
     }
-    batch b;
-    b.fn = &fn;
-    b.pending = n - 1;
+    state_->b.pending = n - 1;
     pool & p = process_pool();
-    {
-        std::lock_guard<std::mutex> lock(p.mutex);
-        for (size_t i = 0; i + 1 < n; ++i) {
-            p.queue.push_back(&b);
-        }
-        // enough workers for the entries queued (this call's, and others' not yet taken)
-        const size_t available = p.idle + p.starting;
-        for (size_t missing = p.queue.size() > available ? p.queue.size() - available : 0; missing > 0; --missing) {
-            try {
-                std::thread([&p] { p.worker(); }).detach();
-                ++p.starting;
-            } catch (const std::system_error &) {
-                break;  // no more threads to be had: the workers there are take the entries in turn
-            }
-        }
-        p.work.notify_all();
+    state_->p = &p;
+    std::lock_guard<std::mutex> lock(p.mutex);
+    for (size_t i = 0; i + 1 < n; ++i) {
+        p.queue.push_back(&state_->b);
     }
-    std::exception_ptr error = call(fn);
-    {
-        // this call's entries that no worker has taken yet (none could be started, or all are
-        // busy with other calls): run here, where they return at once (the work is done)
-        std::unique_lock<std::mutex> lock(p.mutex);
-        for (auto it = p.queue.begin(); it != p.queue.end();) {
-            if (*it != &b) {
-                ++it;
-                continue;
-            }
-            p.queue.erase(it);
-            lock.unlock();
-            finish(b, call(fn));
-            lock.lock();
-            it = p.queue.begin();
+    // enough workers for the entries queued (this call's, and others' not yet taken)
+    const size_t available = p.idle + p.starting;
+    for (size_t missing = p.queue.size() > available ? p.queue.size() - available : 0; missing > 0; --missing) {
+        try {
+            std::thread([&p] { p.worker(); }).detach();
+            ++p.starting;
+        } catch (const std::system_error &) {
+            break;  // no more threads to be had: the workers there are take the entries in turn
         }
     }
-    std::unique_lock<std::mutex> lock(b.mutex);
-    b.done.wait(lock, [&] { return b.pending == 0; });
+    p.work.notify_all();
+}
+
+void thread_batch::join() {
+    state_->joined = true;
+    if (!state_->p) {
+        (*state_->b.fn)();
+        return;
+    }
+    std::exception_ptr error = call(*state_->b.fn);
+    std::exception_ptr theirs = state_->finish_entries(true);
     if (!error) {
-        error = b.error;
+        error = theirs;
     }
     if (error) {
         std::rethrow_exception(error);
     }
+}
+
+thread_batch::~thread_batch() {
+    if (!state_->joined && state_->p) {
+        state_->finish_entries(false);
+    }
+}
+
+void run_on_threads(size_t n, const std::function<void()> & fn) {
+    thread_batch threads(n, fn);
+    threads.join();
 }
 
 }  // namespace llamaprompt

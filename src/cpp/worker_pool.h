@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 
 namespace llamaprompt {
 
@@ -15,5 +16,25 @@ namespace llamaprompt {
 // first one) after all calls have returned. Safe to call from several threads at once and in a
 // process forked from one that used the pool (the child starts its own threads).
 void run_on_threads(size_t n, const std::function<void()> & fn);
+
+// run_on_threads in two steps, for a caller with work of its own to do while the pool's calls
+// already run (apply_template_many reads the requests, GIL held, while the first renders run):
+// the constructor starts fn's n - 1 pool calls (fn must outlive the batch: it is not copied); join() makes the calling thread's call and
+// waits for all of them, rethrowing the first exception. Without join() (an exception in
+// between), the destructor takes back the calls not started and waits for the others; fn must
+// then return soon on its own (a flag of the caller's).
+class thread_batch {
+  public:
+    thread_batch(size_t n, const std::function<void()> & fn);
+    thread_batch(const thread_batch &) = delete;
+    thread_batch & operator=(const thread_batch &) = delete;
+    ~thread_batch();
+    void join();
+
+    struct state;
+
+  private:
+    std::unique_ptr<state> state_;
+};
 
 }  // namespace llamaprompt

@@ -662,11 +662,12 @@ class ChatTemplate:
     ) -> list[Any]:
         """:meth:`apply_template` for many requests, rendered on ``threads`` C++ threads.
 
-        The requests are read first, in this thread (a dict becomes llama.cpp's JSON tree, or
-        its JSON text: README, "Requests"); then the GIL is released once
-        for the whole batch and the renders run in parallel inside llama.cpp: on the calling
-        thread and ``threads - 1`` C++ threads that are kept between calls (warm for the
-        next batch; each leaves after 10 s without work). At most max(8, 4 x the CPU count)
+        The requests are read in this thread, GIL held (a dict becomes llama.cpp's JSON tree,
+        or its JSON text: README, "Requests"), and the renders run in parallel inside
+        llama.cpp on ``threads - 1`` C++ threads that are kept between calls (warm for the
+        next batch; each leaves after 10 s without work) -- starting on the first requests
+        while this thread still reads the later ones -- and on the calling thread, which then
+        releases the GIL once for the rest of the batch. At most max(8, 4 x the CPU count)
         threads render (a render waits for nothing: more would only take memory). With hooks,
         the requests go through :meth:`apply_template` on a Python thread pool instead.
 
