@@ -7,6 +7,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <system_error>
 #include <thread>
 
@@ -157,8 +158,14 @@ thread_batch::thread_batch(size_t n, const std::function<void()> & fn) : state_(
     pool & p = process_pool();
     state_->p = &p;
     std::lock_guard<std::mutex> lock(p.mutex);
-    for (size_t i = 0; i + 1 < n; ++i) {
-        p.queue.push_back(&state_->b);
+    try {
+        for (size_t i = 0; i + 1 < n; ++i) {
+            p.queue.push_back(&state_->b);
+        }
+    } catch (const std::bad_alloc &) {
+        // none taken yet (the lock is held): none may point to this batch once it is gone
+        p.queue.erase(std::remove(p.queue.begin(), p.queue.end(), &state_->b), p.queue.end());
+        throw;
     }
     // enough workers for the entries queued (this call's, and others' not yet taken)
     const size_t available = p.idle + p.starting;
