@@ -167,33 +167,42 @@ def test_apply_template_many_renders_while_it_reads_the_requests():
 INTERRUPTED_BATCH = r"""
 import time
 import llamaprompt
-t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
-reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(8)]
-later = [dict(r, messages=tuple(r["messages"])) if i >= 4 else r for i, r in enumerate(reqs)]
+t = llamaprompt.ChatTemplate("{% for i in range(2000) %}{{ messages[0].content }}{% endfor %}")
+reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(400)]
+later = reqs + [dict(r, messages=tuple(r["messages"])) for r in reqs]
+t.apply_template(reqs[0])  # its parser inputs known good: the next renders are prompt-only
 calls = []
+
+before = t._core.prompt_only_renders()
 
 def encode(request):
     calls.append(1)
-    time.sleep(0.5)  # the pool's thread has rendered the first four and waits for the fifth
+    deadline = time.monotonic() + 10  # until the pool's thread has rendered one of the 400 read
+    while t._core.prompt_only_renders() == before and time.monotonic() < deadline:
+        time.sleep(0.001)
     raise KeyboardInterrupt
 
 try:
     t._core.apply_template_many(later, 2, -1.0, encode=encode)
     print("no interruption")
 except KeyboardInterrupt:
-    print("interrupted", len(calls))
-print(t.apply_template_many(reqs, threads=2) == [t.apply_template(r) for r in reqs])
+    print("interrupted", len(calls), t._core.prompt_only_renders() - before)
+small = reqs[:8]
+print(t.apply_template_many(small, threads=2) == [t.apply_template(r) for r in small])
 """
 
 
 def test_apply_template_many_interrupted_while_reading_the_requests():
     # a KeyboardInterrupt from reading a request (here: `encode`, for the first request with a
-    # tuple) reaches the caller; the pool's threads waiting for requests stop instead of waiting
-    # for good (the caller, GIL held, waits for them: a hang would hang the whole process, hence
-    # a process of its own), and the next call works
+    # tuple) reaches the caller once the pool's thread has ended the render it was in: it renders
+    # none of the other requests already read (whose prompts no one would get, the caller waiting
+    # with the GIL held), and does not wait for more (a hang would hang the whole process, hence a
+    # process of its own); the next call works
     proc = subprocess.run([sys.executable, "-c", INTERRUPTED_BATCH], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["interrupted", "1", "True"]
+    interrupted, encoded, rendered, next_call = proc.stdout.split()
+    assert (interrupted, encoded, next_call) == ("interrupted", "1", "True")
+    assert 1 <= int(rendered) < 100  # of the 400 read (~2 ms each): one or two, not all
 
 
 def test_apply_template_many_called_from_several_threads_at_once():

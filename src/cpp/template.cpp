@@ -342,7 +342,8 @@ class core_template {
             std::mutex mutex;
             std::condition_variable more;
             size_t ready = 0;
-            bool closed = false;  // no more to come (all taken, or taking them failed)
+            bool closed = false;     // no more to come (all taken, or taking them failed)
+            bool abandoned = false;  // taking them failed: render no more (the batch raises)
         } feed;
         std::atomic<size_t> next{0};
         const std::function<void()> work = [&]() {  // (thread_batch keeps a reference to it)
@@ -350,7 +351,7 @@ class core_template {
                 {
                     std::unique_lock<std::mutex> lock(feed.mutex);
                     feed.more.wait(lock, [&] { return feed.ready > i || feed.closed; });
-                    if (feed.ready <= i) {
+                    if (feed.ready <= i || feed.abandoned) {
                         return;
                     }
                 }
@@ -377,12 +378,17 @@ class core_template {
         // the calling thread and threads kept between calls (worker_pool.h)
         thread_batch batch(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
         {
-            struct closing {  // also when taking a body throws: the pool's threads stop
+            // also when taking a body throws (a KeyboardInterrupt): the pool's threads then end
+            // the render they are in and start no other, so the exception is not held up (GIL
+            // held) by renders whose prompts no one will get
+            struct closing {
                 decltype(feed) & f;
+                bool all_taken = false;
                 ~closing() {
                     {
                         std::lock_guard<std::mutex> lock(f.mutex);
                         f.closed = true;
+                        f.abandoned = !all_taken;
                     }
                     f.more.notify_all();
                 }
@@ -402,6 +408,7 @@ class core_template {
                 }
                 feed.more.notify_all();
             }
+            close_feed.all_taken = true;
         }
         without_gil([&]() { batch.join(); }, gil_released::per_render);
         // the notices first (as apply_template's), then the log, in order, then the results: no
