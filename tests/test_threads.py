@@ -133,15 +133,6 @@ def test_apply_template_many_in_a_forked_child():
     assert got == expected == [t.apply_template(r) for r in reqs]
 
 
-def _later_bodies_encoded(t: llamaprompt.ChatTemplate, n: int, encode) -> list:
-    # n request dicts of which the second half hold a tuple, which the core does not take as a
-    # tree: it calls `encode` for each of those, after taking the first half as trees
-    reqs = _greetings(n)
-    for r in reqs[n // 2 :]:
-        r["messages"] = tuple(r["messages"])
-    return t._core.apply_template_many(reqs, 2, -1.0, encode=encode)
-
-
 def test_apply_template_many_renders_while_it_reads_the_requests():
     # template.cpp: the pool's threads render the requests already read while the calling thread
     # (GIL held) reads the next ones: renders counted before the first `encode` call returns
@@ -159,7 +150,10 @@ def test_apply_template_many_renders_while_it_reads_the_requests():
             rendered_before_read.append(t._core.prompt_only_renders() - base)
         return request_body(request)
 
-    got = _later_bodies_encoded(t, 8, encode)
+    # the second half hold a tuple, which the core does not take as a tree: `encode` is called
+    # for each of those, after the first half were taken as trees
+    later = reqs[:4] + [dict(r, messages=tuple(r["messages"])) for r in reqs[4:]]
+    got = t._core.apply_template_many(later, 2, -1.0, encode=encode)
     assert got == [t.apply_template(r) for r in reqs]
     assert rendered_before_read and rendered_before_read[0] >= 1
 

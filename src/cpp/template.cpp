@@ -342,7 +342,6 @@ class core_template {
             std::mutex mutex;
             std::condition_variable more;
             size_t ready = 0;
-            bool closed = false;     // no more to come (all taken, or taking them failed)
             bool abandoned = false;  // taking them failed: render no more (the batch raises)
         } feed;
         std::atomic<size_t> next{0};
@@ -350,8 +349,8 @@ class core_template {
             for (size_t i; (i = next++) < bodies.size();) {
                 {
                     std::unique_lock<std::mutex> lock(feed.mutex);
-                    feed.more.wait(lock, [&] { return feed.ready > i || feed.closed; });
-                    if (feed.ready <= i || feed.abandoned) {
+                    feed.more.wait(lock, [&] { return feed.ready > i || feed.abandoned; });
+                    if (feed.abandoned) {
                         return;
                     }
                 }
@@ -378,17 +377,19 @@ class core_template {
         // the calling thread and threads kept between calls (worker_pool.h)
         thread_batch batch(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
         {
-            // also when taking a body throws (a KeyboardInterrupt): the pool's threads then end
-            // the render they are in and start no other, so the exception is not held up (GIL
-            // held) by renders whose prompts no one will get
-            struct closing {
+            // when taking a body throws (a KeyboardInterrupt; also a thread's forced unwinding):
+            // the pool's threads end the render they are in and start no other, so the exception
+            // is not held up (GIL held) by renders whose prompts no one will get
+            struct abandon_unless_all_taken {
                 decltype(feed) & f;
                 bool all_taken = false;
-                ~closing() {
+                ~abandon_unless_all_taken() {
+                    if (all_taken) {
+                        return;
+                    }
                     {
                         std::lock_guard<std::mutex> lock(f.mutex);
-                        f.closed = true;
-                        f.abandoned = !all_taken;
+                        f.abandoned = true;
                     }
                     f.more.notify_all();
                 }
