@@ -6,11 +6,12 @@ fuzz corpus. A rewrite that changes one byte anywhere is dropped (docs/performan
 
 ``REF_CORE.so`` is a ``_core`` module built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF`` (``.ci/run``
 builds one, also with ``LLAMAPROMPT_BLOCK_CACHE=OFF``: the process's own operator new, as
-upstream's engine runs; the block cache changes no output either way):
+upstream's engine runs, and ``LLAMAPROMPT_LTO=OFF``: each file compiled on its own; neither
+changes an output):
 
     pip wheel --no-deps --no-build-isolation -Cbuild-dir=build/upstream-engine \\
         -Ccmake.define.LLAMAPROMPT_ENGINE_REWRITES=OFF -Ccmake.define.LLAMAPROMPT_BLOCK_CACHE=OFF \\
-        -w build/upstream-engine-dist .
+        -Ccmake.define.LLAMAPROMPT_LTO=OFF -w build/upstream-engine-dist .
 
 Both modules run the same cases, each in its own process (the installed llamaprompt
 package, and a copy of it whose ``_core`` is the reference): for each template, its load

@@ -39,6 +39,8 @@ PYBIND11_MODULE(_core, m) {
     m.attr("BLOCK_CACHE") = llamaprompt::block_cache_active();
     // how: "sized", "usable" (the cache), "forward" (the process's operator new), "off" (not built)
     m.attr("BLOCK_CACHE_MODE") = llamaprompt::block_cache_mode();
+    // whether the files a request runs were compiled and linked together (CMakeLists.txt LLAMAPROMPT_LTO)
+    m.attr("LTO") = bool(LLAMAPROMPT_LTO_BUILD);
     // tests: the check that chooses "sized", on usable sizes given per request size 0, 1, 2, ...
     m.def("block_sizes_fit", &llamaprompt::block_sizes_fit, py::arg("usable"));
     // tests: whether the calling thread finds its lists of the cache through its thread pointer

@@ -11,6 +11,7 @@ SOURCE_DIR: str
 TREE_INFO_JSON: str
 BLOCK_CACHE: bool
 BLOCK_CACHE_MODE: str
+LTO: bool
 CAPS_KEYS: list[str]
 
 class Template:

@@ -57,7 +57,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
-from . import LLAMA_CPP_COMMIT, __version__
+from . import LLAMA_CPP_COMMIT, __version__, _core
 from .errors import Error
 from .fixtures import default_requests
 from .pinned import pinned_templates
@@ -675,6 +675,8 @@ def run_bench(
         "environment": {
             "llamaprompt": __version__,
             "llama_cpp_commit": LLAMA_CPP_COMMIT,
+            # how the module was built: link-time optimization, the block cache (docs/performance.md)
+            "build": {"lto": _core.LTO, "block_cache": _core.BLOCK_CACHE_MODE},
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
             "date": _dt.date.today().isoformat(),
