@@ -554,11 +554,17 @@ def test_grammar_generation_stops_at_the_time_budget(extra, stopped):
     # With the engine rewrites (no copy; each suffix of optional properties once) these two take
     # 0.7 s and 0.44 s (0.3.35's tree: 0.77 s and 0.6 s): a budget of 0.1 s
     t = llamaprompt.ChatTemplate.from_file(template_path("Qwen-Qwen3-0.6B.jinja"))
-    t0 = time.monotonic()
-    with pytest.raises(llamaprompt.TemplateError, match=stopped + r" exceeded the time budget \(0.1 s\)") as e:
-        t.apply({"messages": [{"role": "user", "content": "hi"}], **extra}, timeout=0.1)
-    assert time.monotonic() - t0 < 20
-    assert e.value.status == 500
+    for _ in range(3):
+        t0 = time.monotonic()
+        with pytest.raises(llamaprompt.TemplateError, match=r"exceeded the time budget \(0.1 s\)") as e:
+            t.apply({"messages": [{"role": "user", "content": "hi"}], **extra}, timeout=0.1)
+        assert time.monotonic() - t0 < 20
+        assert e.value.status == 500
+        # on a loaded machine the template's own execution can use up the 0.1 s first (a fresh
+        # user's run at load 8-10): then again
+        if re.search(stopped, str(e.value)) or "template execution" not in str(e.value):
+            break
+    assert re.search(stopped + r" exceeded the time budget \(0.1 s\)", str(e.value)), str(e.value)
     # a few patterns are converted as before: the pattern's character class is in the grammar
     few = t.apply({"messages": [{"role": "user", "content": "hi"}], "tools": _tools(2, 2)}, timeout=0.5)
     assert "[a-z]" in few.grammar
