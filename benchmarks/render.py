@@ -96,6 +96,8 @@ def _build(env: dict) -> str:
     """How the module was built (older reports have no ``build`` entry)."""
     build = env.get("build") or {}
     lto = "link-time optimized" if build.get("lto") else "no link-time optimization"
+    if build.get("pgo"):
+        lto += " and profile-guided"
     return f"{lto}, block cache {build.get('block_cache', 'unknown')}"
 
 

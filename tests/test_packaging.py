@@ -5,6 +5,7 @@ its stubs and templates."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -194,3 +195,36 @@ def _lock() -> dict:
     import json
 
     return json.loads((ROOT / "third_party" / "llama.cpp.lock").read_text())
+
+
+# ---------------------------------------------------------------------------------------
+# the profile-guided build's training run (third_party/pgo_train.py, CMakeLists.txt LLAMAPROMPT_PGO)
+
+_PGO_TRAIN = ROOT / "third_party" / "pgo_train.py"
+
+
+def _pgo_train(module: str, profile_dir: Path) -> subprocess.CompletedProcess[str]:
+    package = Path(llamaprompt.__file__).parent
+    return subprocess.run(
+        [sys.executable, str(_PGO_TRAIN), module, str(ROOT / "src" / "python" / "llamaprompt"),
+         str(package / "templates"), str(package / "resources" / "requests.json"), str(profile_dir)],
+        capture_output=True, text=True, timeout=600)
+
+
+def test_pgo_training_fails_when_the_module_does_not_load(tmp_path):
+    # a build whose twin cannot be loaded must stop, not compile _core against no profile
+    res = _pgo_train(str(tmp_path / "missing.so"), tmp_path)
+    assert res.returncode != 0
+    assert "the training run failed" in res.stderr
+
+
+def test_pgo_training_fails_when_the_module_writes_no_profile(tmp_path):
+    # the installed module is not instrumented: it renders every template, and writes no counts
+    stale = tmp_path / "#stale#object.gcda"  # a profile of an earlier build goes first
+    stale.write_bytes(b"old")
+    res = _pgo_train(_core.__file__, tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    rendered = re.search(r"(\d+) templates x \d+ requests: (\d+) renders", res.stdout)
+    assert rendered and int(rendered[1]) > 0 and int(rendered[2]) > 0, res.stdout
+    assert "wrote no profile" in res.stderr
+    assert not stale.exists()

@@ -41,6 +41,8 @@ PYBIND11_MODULE(_core, m) {
     m.attr("BLOCK_CACHE_MODE") = llamaprompt::block_cache_mode();
     // whether the files a request runs were compiled and linked together (CMakeLists.txt LLAMAPROMPT_LTO)
     m.attr("LTO") = bool(LLAMAPROMPT_LTO_BUILD);
+    // whether they were then compiled again with the counts of a training run (LLAMAPROMPT_PGO)
+    m.attr("PGO") = bool(LLAMAPROMPT_PGO_BUILD);
     // tests: the check that chooses "sized", on usable sizes given per request size 0, 1, 2, ...
     m.def("block_sizes_fit", &llamaprompt::block_sizes_fit, py::arg("usable"));
     // tests: whether the calling thread finds its lists of the cache through its thread pointer

@@ -12,6 +12,7 @@ TREE_INFO_JSON: str
 BLOCK_CACHE: bool
 BLOCK_CACHE_MODE: str
 LTO: bool
+PGO: bool
 CAPS_KEYS: list[str]
 
 class Template:

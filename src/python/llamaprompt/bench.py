@@ -676,7 +676,7 @@ def run_bench(
             "llamaprompt": __version__,
             "llama_cpp_commit": LLAMA_CPP_COMMIT,
             # how the module was built: link-time optimization, the block cache (docs/performance.md)
-            "build": {"lto": _core.LTO, "block_cache": _core.BLOCK_CACHE_MODE},
+            "build": {"lto": _core.LTO, "pgo": _core.PGO, "block_cache": _core.BLOCK_CACHE_MODE},
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
             "date": _dt.date.today().isoformat(),
