@@ -203,19 +203,33 @@ def _lock() -> dict:
 _PGO_TRAIN = ROOT / "third_party" / "pgo_train.py"
 
 
-def _pgo_train(module: str, profile_dir: Path) -> subprocess.CompletedProcess[str]:
+def _pgo_train(module: str, profile_dir: Path, requests: Path | None = None) -> subprocess.CompletedProcess[str]:
     package = Path(llamaprompt.__file__).parent
     return subprocess.run(
         [sys.executable, str(_PGO_TRAIN), module, str(ROOT / "src" / "python" / "llamaprompt"),
-         str(package / "templates"), str(package / "resources" / "requests.json"), str(profile_dir)],
+         str(package / "templates"), str(requests or package / "resources" / "requests.json"), str(profile_dir)],
         capture_output=True, text=True, timeout=600)
 
 
 def test_pgo_training_fails_when_the_module_does_not_load(tmp_path):
     # a build whose twin cannot be loaded must stop, not compile _core against no profile
     res = _pgo_train(str(tmp_path / "missing.so"), tmp_path)
-    assert res.returncode != 0
+    assert res.returncode == 1
+    assert "no module" in res.stderr and "Traceback" not in res.stderr
+    not_a_module = tmp_path / "_core.so"
+    not_a_module.write_bytes(b"not an ELF file")
+    res = _pgo_train(str(not_a_module), tmp_path)
+    assert res.returncode == 1
     assert "the training run failed" in res.stderr
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "{}"])
+def test_pgo_training_refuses_requests_it_cannot_use(tmp_path, text):
+    requests = tmp_path / "requests.json"
+    requests.write_text(text, encoding="utf-8")
+    res = _pgo_train(_core.__file__, tmp_path, requests)
+    assert res.returncode == 1
+    assert str(requests) in res.stderr and "Traceback" not in res.stderr
 
 
 def test_pgo_training_fails_when_the_module_writes_no_profile(tmp_path):

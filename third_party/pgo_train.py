@@ -12,7 +12,10 @@ optimized as without a profile.
 Only what a build environment has is used: the standard library, the instrumented module and the
 one file of the package the module imports (llamaprompt/errors.py; the package's __init__ needs
 numpy). A request a template refuses is part of the training (llama.cpp's error paths run too);
-the run fails only when the module cannot be loaded or renders nothing at all.
+the run fails (exit status 1, one line saying why) when an input is missing or unreadable, when
+the module cannot be loaded, renders nothing, or writes no profile. PROFILE_DIR is the directory
+the module was compiled with (-fprofile-generate=PROFILE_DIR, where it writes): the run deletes
+an earlier profile there first and counts the new one.
 
 Usage: pgo_train.py MODULE PACKAGE_DIR TEMPLATES_DIR REQUESTS_JSON PROFILE_DIR
 """
@@ -74,14 +77,36 @@ def _train(module_path: str, package_dir: str, templates_dir: str, requests_json
         raise SystemExit("pgo_train: nothing rendered; the instrumented module does not work")
 
 
+def _inputs(templates_dir: str, requests_json: str) -> str | None:
+    """What is wrong with the training's inputs, or None."""
+    if not any(Path(templates_dir).glob("*.jinja")):
+        return f"no *.jinja template in {templates_dir}"
+    try:
+        requests = json.loads(Path(requests_json).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"cannot read the requests {requests_json}: {e}"
+    if not isinstance(requests, dict) or not requests or not all(isinstance(r, dict) for r in requests.values()):
+        return f"{requests_json} is not a non-empty JSON object of request objects"
+    return None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 5 and argv[0] == "--child":
         _train(*argv[1:])
         return 0
     if len(argv) != 5:
-        print(__doc__, file=sys.stderr)
+        print(f"pgo_train: expected 5 arguments, got {len(argv)}", file=sys.stderr)
+        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
     module, package, templates, requests, profile_dir = argv
+    wrong = _inputs(templates, requests)
+    if wrong is None and not Path(module).is_file():
+        wrong = f"no module {module}"
+    if wrong is None and not (Path(package) / "errors.py").is_file():
+        wrong = f"no llamaprompt package (errors.py) in {package}"
+    if wrong is not None:
+        print(f"pgo_train: {wrong}", file=sys.stderr)
+        return 1
     profile = Path(profile_dir)
     for old in profile.glob("*.gcda"):  # the profile of an earlier build
         old.unlink()
@@ -93,8 +118,8 @@ def main(argv: list[str]) -> int:
         return 1
     written = len(list(profile.glob("*.gcda")))
     if written == 0:
-        print(f"pgo_train: the training run wrote no profile under {profile}; LLAMAPROMPT_PGO=OFF builds without it",
-              file=sys.stderr)
+        print(f"pgo_train: the training run wrote no profile under {profile} (the directory the module was "
+              "compiled with, -fprofile-generate=DIR); LLAMAPROMPT_PGO=OFF builds without it", file=sys.stderr)
         return 1
     print(f"pgo_train: profiles of {written} files")
     return 0
