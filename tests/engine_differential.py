@@ -4,8 +4,8 @@ fuzz corpus. A rewrite that changes one byte anywhere is dropped (docs/performan
 
     python tests/engine_differential.py --reference REF_CORE.so [--json OUT] [--requests N] [--mutants M]
 
-``REF_CORE.so`` is a ``_core`` module built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF`` (``.ci/run``
-builds one, also with ``LLAMAPROMPT_BLOCK_CACHE=OFF``: the process's own operator new, as
+``REF_CORE.so`` is a ``_core`` module built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF`` (``.ci/run``'s
+offline sdist build is one, also with ``LLAMAPROMPT_BLOCK_CACHE=OFF``: the process's own operator new, as
 upstream's engine runs, and ``LLAMAPROMPT_LTO=OFF``: each file compiled on its own; neither
 changes an output):
 
