@@ -7,7 +7,7 @@ fuzz corpus. A rewrite that changes one byte anywhere is dropped (docs/performan
 ``REF_CORE.so`` is a ``_core`` module built with ``LLAMAPROMPT_ENGINE_REWRITES=OFF`` (``.ci/run``'s
 offline sdist build is one, also with ``LLAMAPROMPT_BLOCK_CACHE=OFF``: the process's own operator new, as
 upstream's engine runs, and ``LLAMAPROMPT_LTO=OFF``: each file compiled on its own; neither
-changes an output):
+changes an output); by hand, in a build folder of its own:
 
     pip wheel --no-deps --no-build-isolation -Cbuild-dir=build/upstream-engine \\
         -Ccmake.define.LLAMAPROMPT_ENGINE_REWRITES=OFF -Ccmake.define.LLAMAPROMPT_BLOCK_CACHE=OFF \\
