@@ -199,6 +199,88 @@ def test_apply_template_many_interrupted_while_reading_the_requests():
     assert 1 <= int(rendered) < 100  # of the 400 read (~2 ms each): one or two, not all
 
 
+INTERRUPTED_WHILE_RENDERING = r"""
+import os
+import signal
+import sys
+import threading
+import time
+import llamaprompt
+threads = int(sys.argv[1])
+t = llamaprompt.ChatTemplate("{% for i in range(2000) %}{{ messages[0].content }}{% endfor %}")
+reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(1000)]
+t.apply_template(reqs[0])  # its parser inputs known good: the next renders are prompt-only
+before = t._core.prompt_only_renders()
+
+def interrupt():  # once a few of the 1000 have rendered (~2 ms each)
+    deadline = time.monotonic() + 60
+    while t._core.prompt_only_renders() - before < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt).start()
+try:
+    t.apply_template_many(reqs, threads=threads)
+    print("no-interruption", t._core.prompt_only_renders() - before)
+except KeyboardInterrupt:
+    print("interrupted", t._core.prompt_only_renders() - before)
+small = reqs[:8]
+print(t.apply_template_many(small, threads=threads) == [t.apply_template(r) for r in small])
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_apply_template_many_interrupted_while_rendering(threads):
+    # a Ctrl-C once every request is read (the calling thread renders too, without the GIL) reaches
+    # the caller after the renders in progress -- the calling thread takes the GIL back between
+    # slices of its renders to run Python's signal handlers -- not after the 1000 renders of the
+    # batch (~2 ms each: the build before rendered them all first); the next call works
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WHILE_RENDERING, str(threads)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    interrupted, rendered, next_call = proc.stdout.split()
+    assert (interrupted, next_call) == ("interrupted", "True")
+    assert 5 <= int(rendered) < 500
+
+
+SIGNAL_WHILE_READING = r"""
+import signal
+import llamaprompt
+from llamaprompt.text import request_body
+
+class Alarm(Exception):
+    pass
+
+def on_alarm(signum, frame):
+    raise Alarm
+
+t = llamaprompt.ChatTemplate("{{ messages | length }}")
+messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(100)]
+request = {"messages": messages}
+t.apply_template(request)  # its parser inputs known good: the next renders are prompt-only
+batch = [request] * 5000
+before = t._core.prompt_only_renders()
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.005)
+try:  # (the core's own call: no Python code between the alarm and the reading)
+    t._core.apply_template_many(batch, 1, -1.0, encode=request_body)
+    print("no-interruption", t._core.prompt_only_renders() - before)
+except Alarm:
+    print("interrupted", t._core.prompt_only_renders() - before)
+"""
+
+
+def test_apply_template_many_signal_while_reading_the_requests():
+    # a signal handler's exception while the requests are read -- dicts taken as trees, which runs
+    # no Python code: the core runs the handlers between requests -- reaches the caller before any
+    # render (one thread: the renders start once all are read; 5,000 requests of 100 messages take
+    # ~0.1 s to read, the alarm comes after 5 ms; the build before rendered all 5,000 first)
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_READING], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["interrupted", "0"]
+
+
 def test_apply_template_many_called_from_several_threads_at_once():
     # calls that share the pool: each gets its own prompts, in its order
     t = _qwen()

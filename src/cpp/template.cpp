@@ -345,8 +345,31 @@ class core_template {
             bool abandoned = false;  // taking them failed: render no more (the batch raises)
         } feed;
         std::atomic<size_t> next{0};
+        // set when the caller is interrupted once every body is taken (a signal handler raised,
+        // or the thread is unwound taking the GIL back): no thread starts another render
+        std::atomic<bool> stop{false};
+        const auto render = [&](size_t i) {
+            if (refused[i]) {
+                return;
+            }
+            fork_hold hold;
+            log_capture logs;  // as apply_template's, per render
+            // the same classification as call_upstream (llama-server's ex_wrapper)
+            try {
+                out[i].text = prompt_for(std::move(bodies[i]), timeout, &seen);
+            } catch (const error & e) {
+                out[i] = {e.what(), e.status ? e.status : 500};
+            } catch (const std::invalid_argument & e) {
+                out[i] = {e.what(), 400};
+            } catch (const std::exception & e) {
+                out[i] = {e.what(), 500};
+            } catch (...) {
+                out[i] = {"unknown error", 500};
+            }
+            out[i].logs = logs.records();
+        };
         const std::function<void()> work = [&]() {  // (thread_batch keeps a reference to it)
-            for (size_t i; (i = next++) < bodies.size();) {
+            for (size_t i; !stop.load(std::memory_order_relaxed) && (i = next++) < bodies.size();) {
                 {
                     std::unique_lock<std::mutex> lock(feed.mutex);
                     feed.more.wait(lock, [&] { return feed.ready > i || feed.abandoned; });
@@ -354,24 +377,7 @@ class core_template {
                         return;
                     }
                 }
-                if (refused[i]) {
-                    continue;
-                }
-                fork_hold hold;
-                log_capture logs;  // as apply_template's, per render
-                // the same classification as call_upstream (llama-server's ex_wrapper)
-                try {
-                    out[i].text = prompt_for(std::move(bodies[i]), timeout, &seen);
-                } catch (const error & e) {
-                    out[i] = {e.what(), e.status ? e.status : 500};
-                } catch (const std::invalid_argument & e) {
-                    out[i] = {e.what(), 400};
-                } catch (const std::exception & e) {
-                    out[i] = {e.what(), 500};
-                } catch (...) {
-                    out[i] = {"unknown error", 500};
-                }
-                out[i].logs = logs.records();
+                render(i);
             }
         };
         // the calling thread and threads kept between calls (worker_pool.h)
@@ -395,6 +401,9 @@ class core_template {
                 }
             } close_feed{feed};
             for (size_t i = 0; i < bodies.size(); ++i) {
+                if (PyErr_CheckSignals() != 0) {  // a dict is taken without running Python code
+                    throw py::error_already_set();
+                }
                 try {
                     bodies[i] = take(requests[i], encode);
                 } catch (py::error_already_set & e) {
@@ -410,6 +419,39 @@ class core_template {
                 feed.more.notify_all();
             }
             close_feed.all_taken = true;
+        }
+        {
+            // every body taken: this thread renders too, without the GIL, in slices of
+            // `signal_check` -- between them it takes the GIL back only to run Python's signal
+            // handlers, so a Ctrl-C reaches the caller after the renders in progress, not after
+            // the batch. Interrupted (or unwound taking the GIL), no thread starts another render.
+            struct stop_unless_done {
+                std::atomic<bool> & s;
+                bool done = false;
+                ~stop_unless_done() {
+                    if (!done) {
+                        s.store(true);
+                    }
+                }
+            } stop_guard{stop};
+            constexpr auto signal_check = std::chrono::milliseconds(100);
+            while (next.load() < bodies.size()) {
+                without_gil(
+                    [&]() {
+                        const auto until = std::chrono::steady_clock::now() + signal_check;
+                        for (size_t i; std::chrono::steady_clock::now() < until && (i = next++) < bodies.size();) {
+                            render(i);
+                        }
+                    },
+                    gil_released::per_render);
+                if (PyErr_CheckSignals() != 0) {
+                    stop.store(true);
+                    py::error_already_set interrupted;  // (fetched before the GIL is released)
+                    without_gil([&]() { batch.join(); }, gil_released::per_render);  // the renders in progress
+                    throw interrupted;
+                }
+            }
+            stop_guard.done = true;
         }
         without_gil([&]() { batch.join(); }, gil_released::per_render);
         // the notices first (as apply_template's), then the log, in order, then the results: no

@@ -667,7 +667,10 @@ class ChatTemplate:
         llama.cpp on ``threads - 1`` C++ threads that are kept between calls (warm for the
         next batch; each leaves after 10 s without work) -- starting on the first requests
         while this thread still reads the later ones -- and on the calling thread, which then
-        releases the GIL once for the rest of the batch. At most max(8, 4 x the CPU count)
+        releases the GIL for the rest of the batch, taking it back every 0.1 s only to run
+        Python's signal handlers: a KeyboardInterrupt (or a handler's exception) while the
+        requests are read or rendered stops the batch -- the threads finish the renders they are
+        in and start no other -- and reaches the caller. At most max(8, 4 x the CPU count)
         threads render (a render waits for nothing: more would only take memory). With hooks,
         the requests go through :meth:`apply_template` on a Python thread pool instead.
 
