@@ -18,7 +18,7 @@ package, and a copy of it whose ``_core`` is the reference): for each template, 
 (``caps`` and ``detected_caps``, or the error), and for each request the fast-path prompt
 (``apply_template``), the full path (``apply``: prompt, grammar, parser ... as JSON) and the
 template's inputs (``template_inputs``: the Jinja context as the engine holds it), each an
-answer or the typed error. Outcomes are compared by SHA-256 of their canonical JSON. An
+answer or the typed error. Outcomes are compared by SHA-256 of their canonical JSON, dates masked (``_digest``). An
 error from llamaprompt's execution budgets (src/cpp/jinja_guard.cpp) is compared by its kind
 only -- time or stack: the rewritten engine is faster and its C++ frames differ in size, so
 a runaway recursion reaches half of the stack at another statement -- and counted apart.
@@ -257,7 +257,14 @@ def run_worker(out: Path, n_requests: int, n_mutants: int) -> None:
 
 
 def _digest(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    """SHA-256 of the value's canonical JSON with its dates masked (llamaprompt.fixtures.mask_dates):
+    the two processes run a case at different times, and llama.cpp gives every template today's
+    date (chat.cpp's format_time: in every template's inputs, in many prompts), so a run across
+    midnight rendered the cases that one process reached after it with another day (a CI run that
+    ended at 00:05 found 6 "differences", the last requests of one template)."""
+    from llamaprompt.fixtures import mask_dates
+
+    text = mask_dates(json.dumps(value, sort_keys=True, ensure_ascii=False, default=str))
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 

@@ -29,6 +29,21 @@ def test_mutants_are_seeded():
     assert [s for _, s, _ in list(ed.cases(0, 5))[-5:]] == [s for _, s in again]
 
 
+def test_outcomes_on_either_side_of_midnight_are_the_same():
+    # the date llama.cpp gives a template (chat.cpp: "%d %b %Y" and "%b %d %Y") and the dates the
+    # pinned templates print with strftime_now, on two days: the same digest; any other text differs
+    def outcome(day: str, month: str) -> dict[str, object]:
+        return {
+            "prompt": f"Cutting Knowledge Date: December 2023\nToday Date: {day} {month} 2026\n\nHi",
+            "inputs": {"date_string": f"{month} {day} 2026", "iso": f"2026-12-{day}"},
+        }
+
+    assert ed._digest(outcome("06", "Dec")) == ed._digest(outcome("07", "Dec"))
+    assert ed._digest({"prompt": "December 06, 2026"}) == ed._digest({"prompt": "January 01, 2027"})
+    assert ed._digest(outcome("06", "Dec")) != ed._digest({**outcome("06", "Dec"), "prompt": "Hi"})
+    assert ed._digest({"prompt": "2026-12-06 at 10:00"}) != ed._digest({"prompt": "2026-12-06 at 11:00"})
+
+
 def test_budget_errors_are_compared_by_kind_only():
     def recursion():
         raise llamaprompt.TemplateError(
