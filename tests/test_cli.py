@@ -191,3 +191,18 @@ def test_a_template_file_without_end_exits_2(tmp_path):
     assert proc.returncode == 2 and b"MemoryError" in proc.stderr and b"Traceback" not in proc.stderr, proc.stderr
     proc = run("render", "-t", str(tmp_path))
     assert proc.returncode == 2 and b"IsADirectoryError" in proc.stderr and b"Traceback" not in proc.stderr
+
+
+def test_ctrl_c_prints_one_line_and_exits_130():
+    # a KeyboardInterrupt inside a command (here raised by the command itself, in place of a
+    # Ctrl-C) ends the CLI with one line on stderr, no traceback, and the shell's status for SIGINT
+    code = (
+        "import sys, llamaprompt.cli as cli\n"
+        "def interrupted(*args):\n"
+        "    raise KeyboardInterrupt\n"
+        "cli._run = interrupted\n"
+        "sys.exit(cli.main(['render']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 130
+    assert proc.stderr == "llamaprompt: interrupted\n"

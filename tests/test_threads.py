@@ -281,6 +281,103 @@ def test_apply_template_many_signal_while_reading_the_requests():
     assert proc.stdout.split() == ["interrupted", "0"]
 
 
+INTERRUPTED_READING_DURING_A_SLOW_RENDER = r"""
+import threading
+import time
+import llamaprompt
+from llamaprompt.text import request_body
+t = llamaprompt.ChatTemplate(
+    "{% for i in range(messages[0].content | int) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x", timeout=120
+)
+slow = {"messages": [{"role": "user", "content": "8000"}]}  # ~2 s here
+t.apply_template({"messages": [{"role": "user", "content": "1"}]})
+later = [slow] + [{"messages": ({"role": "user", "content": "1"},)}] * 10  # a tuple: `encode` reads it
+ticks = []
+done = threading.Event()
+
+def tick():
+    while not done.is_set():
+        ticks.append(time.monotonic())
+        time.sleep(0.005)
+
+raised = []
+
+def encode(request):
+    time.sleep(0.3)  # the pool's thread is in the slow render
+    raised.append(time.monotonic())
+    raise KeyboardInterrupt
+
+threading.Thread(target=tick).start()
+start = time.monotonic()
+try:
+    t._core.apply_template_many(later, 2, -1.0, encode=encode)
+except KeyboardInterrupt:
+    pass
+end = time.monotonic()
+done.set()
+points = [raised[0]] + [x for x in list(ticks) if raised[0] < x < end] + [end]
+print(round(end - start, 3), round(max(b - a for a, b in zip(points, points[1:])), 3))
+"""
+
+
+def test_apply_template_many_interrupted_while_reading_waits_without_the_gil():
+    # a KeyboardInterrupt while the requests are read, the pool's thread in a ~2 s render: the call
+    # waits for that render (its prompt is dropped) with the GIL released -- another Python thread
+    # keeps ticking every 5 ms -- not holding it (the build before: no tick for the rest of the render)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_READING_DURING_A_SLOW_RENDER], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    took, longest_gap = map(float, proc.stdout.split())
+    assert took > 1.0  # the slow render was waited for
+    assert longest_gap < 0.5
+
+
+HOOKED_BATCH_INTERRUPTED = r"""
+import os
+import signal
+import threading
+import time
+import llamaprompt
+calls = []
+
+class Counts:
+    def before_request(self, request):
+        calls.append(1)
+        return request
+
+t = llamaprompt.ChatTemplate("{{ messages[0].content }}", hooks=[Counts()])
+reqs = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(200000)]
+
+at_signal = []
+
+def interrupt():  # the pool's threads have rendered 500; the caller still submits the rest
+    deadline = time.monotonic() + 60
+    while len(calls) < 500 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    at_signal.append(len(calls))
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt).start()
+try:
+    t.apply_template_many(reqs, threads=2)
+    print("no-interruption", len(calls))
+except (KeyboardInterrupt, RuntimeError):  # (CPython may turn it into "release unlocked lock": a
+    print("interrupted", len(calls) - at_signal[0])  # with-statement's lock in the executor is not signal-safe)
+"""
+
+
+def test_apply_template_many_with_hooks_interrupted_drops_the_requests_not_started():
+    # with hooks the batch runs on a Python thread pool; a Ctrl-C while the caller submits the
+    # 200,000 requests (faster than two threads render them) reaches it after the renders in
+    # progress, without the requests already submitted rendered first (the build before: the
+    # pool's shutdown waited for every one of them, thousands after the signal)
+    proc = subprocess.run([sys.executable, "-c", HOOKED_BATCH_INTERRUPTED], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    interrupted, after_signal = proc.stdout.split()
+    assert interrupted == "interrupted" and int(after_signal) < 5000
+
+
 def test_apply_template_many_called_from_several_threads_at_once():
     # calls that share the pool: each gets its own prompts, in its order
     t = _qwen()

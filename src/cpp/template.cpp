@@ -382,7 +382,7 @@ class core_template {
         };
         // the calling thread and threads kept between calls (worker_pool.h)
         thread_batch batch(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
-        {
+        try {
             // when taking a body throws (a KeyboardInterrupt; also a thread's forced unwinding):
             // the pool's threads end the render they are in and start no other, so the exception
             // is not held up (GIL held) by renders whose prompts no one will get
@@ -419,6 +419,11 @@ class core_template {
                 feed.more.notify_all();
             }
             close_feed.all_taken = true;
+        } catch (py::error_already_set &) {
+            // (the feed is abandoned) the renders in progress end without the GIL: other Python
+            // threads run meanwhile, as while the batch renders
+            without_gil([&]() { batch.join(); }, gil_released::per_render);
+            throw;
         }
         {
             // every body taken: this thread renders too, without the GIL, in slices of

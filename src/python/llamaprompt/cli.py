@@ -25,7 +25,7 @@ for that llama.cpp (``llamaprompt cores add VERSION``) instead of the built-in o
 
 llama-server flags go after ``--`` (or one by one with ``--server-arg=FLAG``), e.g.
 ``llamaprompt render --template T req.json -- --reasoning off``. Errors from llama.cpp
-print its message on stderr and exit with status 2.
+print its message on stderr and exit with status 2; Ctrl-C exits with status 130.
 """
 
 from __future__ import annotations
@@ -744,7 +744,8 @@ def _print_json(value: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 2 llama.cpp rejected the input)."""
+    """Run the CLI; returns the exit status (0 ok, 2 llama.cpp rejected the input, 130
+    interrupted: Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     server_args: list[str] = []
     if "--" in argv:
@@ -754,6 +755,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(args, server_args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, and the shell's status for SIGINT
+        print("llamaprompt: interrupted", file=sys.stderr)
+        return 130
     except UsageError as e:
         # the command's own usage line, as argparse prints for its own errors; exits with status 2
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -670,7 +670,9 @@ class ChatTemplate:
         releases the GIL for the rest of the batch, taking it back every 0.1 s only to run
         Python's signal handlers: a KeyboardInterrupt (or a handler's exception) while the
         requests are read or rendered stops the batch -- the threads finish the renders they are
-        in and start no other -- and reaches the caller. At most max(8, 4 x the CPU count)
+        in (``timeout`` bounds each) and start no other -- and reaches the caller (called from
+        the main thread: Python runs signal handlers there only; a handler's ``Exception``
+        raised inside Python's encoding of one request is that request's error). At most max(8, 4 x the CPU count)
         threads render (a render waits for nothing: more would only take memory). With hooks,
         the requests go through :meth:`apply_template` on a Python thread pool instead.
 
@@ -718,8 +720,11 @@ class ChatTemplate:
                 except (Error, TypeError, ValueError) as e:
                     return e
 
-            with ThreadPoolExecutor(threads) as pool:
+            pool = ThreadPoolExecutor(threads)
+            try:
                 results = list(pool.map(one, items))
+            finally:  # interrupted: the requests not started are dropped, not rendered first
+                pool.shutdown(wait=True, cancel_futures=True)
         else:
             bodies: list[Any] = []
             for request in items:
