@@ -158,6 +158,13 @@ def test_apply_template_many_renders_while_it_reads_the_requests():
     assert rendered_before_read and rendered_before_read[0] >= 1
 
 
+def _script_output(script: str, *args: str, timeout: float = 300) -> list[str]:
+    """Run ``script`` in a fresh interpreter (signals, exits and hangs stay there); its printed words."""
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
 INTERRUPTED_BATCH = r"""
 import time
 import llamaprompt
@@ -192,9 +199,7 @@ def test_apply_template_many_interrupted_while_reading_the_requests():
     # none of the other requests already read (whose prompts no one would get, the caller waiting
     # with the GIL held), and does not wait for more (a hang would hang the whole process, hence a
     # process of its own); the next call works
-    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_BATCH], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    interrupted, encoded, rendered, next_call = proc.stdout.split()
+    interrupted, encoded, rendered, next_call = _script_output(INTERRUPTED_BATCH, timeout=120)
     assert (interrupted, encoded, next_call) == ("interrupted", "1", "True")
     assert 1 <= int(rendered) < 100  # of the 400 read (~2 ms each): one or two, not all
 
@@ -235,11 +240,7 @@ def test_apply_template_many_interrupted_while_rendering(threads):
     # the caller after the renders in progress -- the calling thread takes the GIL back between
     # slices of its renders to run Python's signal handlers -- not after the 1000 renders of the
     # batch (~2 ms each: the build before rendered them all first); the next call works
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED_WHILE_RENDERING, str(threads)], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    interrupted, rendered, next_call = proc.stdout.split()
+    interrupted, rendered, next_call = _script_output(INTERRUPTED_WHILE_RENDERING, str(threads))
     assert (interrupted, next_call) == ("interrupted", "True")
     assert 5 <= int(rendered) < 500
 
@@ -276,9 +277,7 @@ def test_apply_template_many_signal_while_reading_the_requests():
     # no Python code: the core runs the handlers between requests -- reaches the caller before any
     # render (one thread: the renders start once all are read; 5,000 requests of 100 messages take
     # ~0.1 s to read, the alarm comes after 5 ms; the build before rendered all 5,000 first)
-    proc = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_READING], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["interrupted", "0"]
+    assert _script_output(SIGNAL_WHILE_READING) == ["interrupted", "0"]
 
 
 INTERRUPTED_READING_DURING_A_SLOW_RENDER = r"""
@@ -324,11 +323,7 @@ def test_apply_template_many_interrupted_while_reading_waits_without_the_gil():
     # a KeyboardInterrupt while the requests are read, the pool's thread in a ~2 s render: the call
     # waits for that render (its prompt is dropped) with the GIL released -- another Python thread
     # keeps ticking every 5 ms -- not holding it (the build before: no tick for the rest of the render)
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED_READING_DURING_A_SLOW_RENDER], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    took, longest_gap = map(float, proc.stdout.split())
+    took, longest_gap = map(float, _script_output(INTERRUPTED_READING_DURING_A_SLOW_RENDER))
     assert took > 1.0  # the slow render was waited for
     assert longest_gap < 0.5
 
@@ -372,9 +367,7 @@ def test_apply_template_many_with_hooks_interrupted_drops_the_requests_not_start
     # 200,000 requests (faster than two threads render them) reaches it after the renders in
     # progress, without the requests already submitted rendered first (the build before: the
     # pool's shutdown waited for every one of them, thousands after the signal)
-    proc = subprocess.run([sys.executable, "-c", HOOKED_BATCH_INTERRUPTED], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    interrupted, after_signal = proc.stdout.split()
+    interrupted, after_signal = _script_output(HOOKED_BATCH_INTERRUPTED, timeout=600)
     assert interrupted == "interrupted" and int(after_signal) < 5000
 
 

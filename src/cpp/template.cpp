@@ -382,6 +382,9 @@ class core_template {
         };
         // the calling thread and threads kept between calls (worker_pool.h)
         thread_batch batch(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
+        // the rest of the batch: this thread's share, then the renders in progress, GIL released
+        // (other Python threads run meanwhile)
+        const auto join = [&]() { without_gil([&]() { batch.join(); }, gil_released::per_render); };
         try {
             // when taking a body throws (a KeyboardInterrupt; also a thread's forced unwinding):
             // the pool's threads end the render they are in and start no other, so the exception
@@ -420,9 +423,7 @@ class core_template {
             }
             close_feed.all_taken = true;
         } catch (py::error_already_set &) {
-            // (the feed is abandoned) the renders in progress end without the GIL: other Python
-            // threads run meanwhile, as while the batch renders
-            without_gil([&]() { batch.join(); }, gil_released::per_render);
+            join();  // (the feed is abandoned: only the renders in progress)
             throw;
         }
         {
@@ -452,13 +453,13 @@ class core_template {
                 if (PyErr_CheckSignals() != 0) {
                     stop.store(true);
                     py::error_already_set interrupted;  // (fetched before the GIL is released)
-                    without_gil([&]() { batch.join(); }, gil_released::per_render);  // the renders in progress
+                    join();  // the renders in progress
                     throw interrupted;
                 }
             }
             stop_guard.done = true;
         }
-        without_gil([&]() { batch.join(); }, gil_released::per_render);
+        join();
         // the notices first (as apply_template's), then the log, in order, then the results: no
         // Python object of ours is alive while the handlers run (with_log_capture says why)
         notify_seen(seen.load());
