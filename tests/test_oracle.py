@@ -106,6 +106,17 @@ def test_check_round_trip_and_planted_change(tmp_path, few_doc):
     assert proc.stdout.count("DIFFERS") == 1 and "google-gemma-2-2b-it.jinja / system" in proc.stdout
 
 
+def test_check_names_the_file_that_is_not_json(tmp_path):
+    # not JSON, and not UTF-8: one line naming the file, exit 2 (no traceback, no bare decoder message)
+    for name, content in (("bad.json", b"{not json"), ("latin1.json", b'{"a": "\xe9"}')):
+        path = tmp_path / name
+        path.write_bytes(content)
+        proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert f"{path}: not valid JSON" in proc.stderr, proc.stderr
+
+
 def test_check_names_another_commit_first(tmp_path, few_doc):
     path = tmp_path / "fx.json"
     fx.write_fixtures(few_doc, path)

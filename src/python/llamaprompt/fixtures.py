@@ -184,8 +184,14 @@ def write_fixtures(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None
 
 
 def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a fixtures file; raises ValueError when it is not one (wrong schema id/version)."""
-    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    """Read a fixtures file (a JSON object in UTF-8) into a dict.
+
+    Raises OSError when the file cannot be read, and ValueError naming the file when it is not
+    valid UTF-8 JSON or not a fixtures file (wrong schema id/version)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
         raise ValueError(f'{path}: not a llamaprompt fixtures file (no "schema": "{SCHEMA_ID}")')
     if doc.get("schema_version") != SCHEMA_VERSION:
