@@ -321,11 +321,131 @@ print(round(end - start, 3), round(max(b - a for a, b in zip(points, points[1:])
 
 def test_apply_template_many_interrupted_while_reading_waits_without_the_gil():
     # a KeyboardInterrupt while the requests are read, the pool's thread in a ~2 s render: the call
-    # waits for that render (its prompt is dropped) with the GIL released -- another Python thread
-    # keeps ticking every 5 ms -- not holding it (the build before: no tick for the rest of the render)
+    # stops that render (its prompt would be dropped) and waits for it with the GIL released --
+    # another Python thread keeps ticking every 5 ms -- not holding it
     took, longest_gap = map(float, _script_output(INTERRUPTED_READING_DURING_A_SLOW_RENDER))
-    assert took > 1.0  # the slow render was waited for
+    assert took < 1.0  # the slow render stopped at its next time check (the build before: ~2 s)
     assert longest_gap < 0.5
+
+
+READING_FROM_ANOTHER_THREAD = r"""
+import threading
+import time
+import llamaprompt
+from llamaprompt.text import request_body
+t = llamaprompt.ChatTemplate("{{ messages | length }}")
+request = {"messages": [{"role": "user", "content": "hi"}]}
+t.apply_template(request)
+# read into trees with the GIL held (~0.3-0.5 s here); the last one holds a tuple, which the
+# core hands to `encode`: when it is called, every other request has been read
+batch = [request] * 300000 + [{"messages": ({"role": "user", "content": "hi"},)}]
+read = []
+
+def encode(body):
+    read.append(time.monotonic())
+    return request_body(body)
+
+result = []
+worker = threading.Thread(target=lambda: result.append(t._core.apply_template_many(batch, 1, -1.0, encode=encode)))
+start = time.monotonic()
+ticks = [start]
+worker.start()
+while worker.is_alive():
+    ticks.append(time.monotonic())
+    time.sleep(0.001)
+reading = [x for x in ticks if x < read[0]] + read
+gaps = [b - a for a, b in zip(reading, reading[1:])]
+print(round(read[0] - start, 3), round(max(gaps), 3), result[0][-1])
+"""
+
+
+def test_reading_a_batch_lets_other_threads_run():
+    # a batch called from another thread reads its 300,000 dicts without running Python code: the
+    # GIL is offered to the other threads every 5 ms meanwhile, so the main thread (which runs the
+    # signal handlers, Ctrl-C's among them) keeps ticking every millisecond or so while they are
+    # read -- the build before held the GIL for the whole read (the longest gap: the read's length)
+    took, longest_gap, last = _script_output(READING_FROM_ANOTHER_THREAD)
+    assert last == "1"
+    assert float(took) > 0.1  # the read is long enough for the gap to tell
+    assert float(longest_gap) < 0.05
+
+
+LONG_RENDER_INTERRUPTED = r"""
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+import llamaprompt
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+def sigint_disposition():  # struct sigaction's first field: the handler's address
+    buf = ctypes.create_string_buffer(256)
+    assert libc.sigaction(signal.SIGINT, None, buf) == 0
+    return ctypes.c_void_p.from_buffer(buf).value
+
+t = llamaprompt.ChatTemplate(
+    "{% for i in range(messages[0].content | int) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x", timeout=None
+)
+long = {"messages": [{"role": "user", "content": "20000"}]}  # ~15 s of loops here
+short = {"messages": [{"role": "user", "content": "1"}]}
+before = sigint_disposition()
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+try:
+    if sys.argv[1] == "batch":
+        t.apply_template_many([long] * 4, threads=2)
+    else:
+        t.apply_template(long)
+    print("no-interruption", round(time.monotonic() - start, 3))
+except KeyboardInterrupt:
+    print("interrupted", round(time.monotonic() - start, 3))
+print(sigint_disposition() == before, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+print(t.apply_template(short), t.apply_template_many([short] * 3, threads=2) == ["x"] * 3)
+"""
+
+
+@pytest.mark.parametrize("call", ["apply_template", "batch"])
+def test_ctrl_c_stops_a_long_render(call):
+    # Ctrl-C (SIGINT, Python's default handler) 0.5 s into a render of ~15 s (timeout=None) stops it
+    # at the engine's next time check: KeyboardInterrupt within a second, not after the render (the
+    # build before, with twice these loops: 36 s, and 50 s for a batch of 4 on 2 threads, whose pool
+    # thread's render is
+    # stopped too); SIGINT's disposition is the one before the call; the next calls work
+    words = _script_output(LONG_RENDER_INTERRUPTED, call, timeout=120)
+    assert words[0] == "interrupted", words
+    assert float(words[1]) < 1.5
+    assert words[2:] == ["True", "True", "x", "True"]
+
+
+CUSTOM_SIGINT_HANDLER = r"""
+import os
+import signal
+import threading
+import time
+import llamaprompt
+t = llamaprompt.ChatTemplate(
+    "{% for i in range(messages[0].content | int) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x", timeout=None
+)
+request = {"messages": [{"role": "user", "content": "4000"}]}  # ~1 s here
+calls = []
+signal.signal(signal.SIGINT, lambda signum, frame: calls.append(time.monotonic()))
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+prompt = t.apply_template(request)
+end = time.monotonic()
+print(prompt, len(calls), round(end - start, 3), round(calls[0] - start, 3))
+"""
+
+
+def test_a_sigint_handler_of_the_programs_own_does_not_stop_a_render():
+    # a SIGINT handler that is not Python's default may not raise: the render runs to its end and
+    # returns its prompt; the handler runs once, after it (as without the watch)
+    prompt, calls, took, handled = _script_output(CUSTOM_SIGINT_HANDLER, timeout=120)
+    assert (prompt, calls) == ("x", "1")
+    assert float(took) > 0.3 and float(handled) > float(took) - 0.05  # (the signal came at 0.2 s)
 
 
 HOOKED_BATCH_INTERRUPTED = r"""

@@ -1,6 +1,12 @@
 // The process-wide lock that C++ work holds shared and fork() takes exclusively (gil.h).
 #include "gil.h"
 
+#include <signal.h>
+
+#include <pybind11/pybind11.h>
+
+#include "errors.h"
+
 #if !defined(_WIN32)
 #include <pthread.h>
 
@@ -8,6 +14,46 @@
 #endif
 
 namespace llamaprompt {
+
+namespace {
+// set by init_sigint_watch (the module's init, GIL held), never released
+unsigned long python_main_thread = 0;
+PyObject * getsignal = nullptr;        // _signal.getsignal
+PyObject * default_handler = nullptr;  // _signal.default_int_handler
+PyObject * sigint_number = nullptr;    // SIGINT, as a Python int
+}  // namespace
+
+void init_sigint_watch() {
+    pybind11::module_ sig = pybind11::module_::import("_signal");
+    pybind11::object main = pybind11::module_::import("threading").attr("main_thread")();
+    python_main_thread = main.attr("ident").cast<unsigned long>();
+    getsignal = pybind11::object(sig.attr("getsignal")).release().ptr();
+    default_handler = pybind11::object(sig.attr("default_int_handler")).release().ptr();
+    sigint_number = pybind11::int_(SIGINT).release().ptr();
+}
+
+bool sigint_interrupts_here() {
+    if (getsignal == nullptr || PyThread_get_thread_ident() != python_main_thread) {
+        return false;
+    }
+    PyObject * handler = PyObject_CallOneArg(getsignal, sigint_number);
+    if (handler == nullptr) {
+        PyErr_Clear();
+        return false;
+    }
+    const bool is_default = handler == default_handler;
+    Py_DECREF(handler);
+    return is_default;
+}
+
+void raise_watched_interrupt(bool stopped_execution) {
+    if (PyErr_CheckSignals() != 0) {
+        throw pybind11::error_already_set();
+    }
+    if (stopped_execution) {
+        throw error(error_kind::template_, 500, "template execution interrupted (SIGINT)");
+    }
+}
 
 #if !defined(_WIN32)
 namespace {
@@ -33,8 +79,14 @@ pthread_rwlock_t * current = nullptr;
 
 void before_fork() { pthread_rwlock_wrlock(current); }
 void after_fork_parent() { pthread_rwlock_unlock(current); }
-// the child's thread has a new id, so the parent's lock (held by it) is left as it is
-void after_fork_child() { current = new_lock(); }
+// the child's thread has a new id, so the parent's lock (held by it) is left as it is; it is the
+// child's Python main thread (CPython's own after-fork makes it so), and a SIGINT watch of the
+// parent's main thread (waiting for the GIL while the fork was made) is not the child's
+void after_fork_child() {
+    current = new_lock();
+    python_main_thread = PyThread_get_thread_ident();
+    sigint_watch_forget_in_child();
+}
 
 // made once (thread-safe: a function's static), never destroyed
 pthread_rwlock_t & fork_lock() {

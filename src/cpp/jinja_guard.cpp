@@ -11,6 +11,11 @@
 #if defined(__linux__) || defined(__APPLE__)
 #include <pthread.h>
 #endif
+#if !defined(_WIN32)
+#include <signal.h>
+
+#include <cerrno>
+#endif
 
 namespace llamaprompt {
 
@@ -30,6 +35,13 @@ struct guard_state {
     uintptr_t stack_low = 0;    // the lowest address of the thread's stack (0: unknown)
     uint32_t steps = 0;
     size_t work = 0;  // jinja_guard_work's bytes since its last clock check
+    const std::atomic<bool> * cancel = nullptr;  // jinja_cancel's flag
+    const char * cancel_why = nullptr;
+    // sigint_watch: when its handler goes in (max: no watch, or already in), whether it is in,
+    // and whether an execution stopped for it
+    clock::time_point watch_at = clock::time_point::max();
+    bool watch_on = false;
+    bool watch_stopped = false;
 };
 thread_local guard_state own_state;
 guard_state & own() noexcept { return own_state; }
@@ -90,14 +102,72 @@ void compute_stack_bounds(guard_state & g) {  // (once per thread: the thread cl
 // set at interpreter exit (gil.cpp): every execution stops at its next time check
 std::atomic<bool> stopping{false};
 
+// sigint_watch's handler: notes the signal, then calls the disposition it replaced
+std::atomic<bool> sigint_seen{false};
+#if !defined(_WIN32)
+struct sigaction replaced_sigint;  // written before the handler goes in, read by it
+
+extern "C" void on_sigint(int sig, siginfo_t * info, void * context) {
+    const int saved_errno = errno;
+    sigint_seen.store(true, std::memory_order_relaxed);
+    if (replaced_sigint.sa_flags & SA_SIGINFO) {
+        replaced_sigint.sa_sigaction(sig, info, context);
+    } else if (replaced_sigint.sa_handler != SIG_DFL && replaced_sigint.sa_handler != SIG_IGN) {
+        replaced_sigint.sa_handler(sig);
+    }
+    errno = saved_errno;
+}
+
+bool is_watch_handler(const struct sigaction & sa) {
+    return (sa.sa_flags & SA_SIGINFO) && sa.sa_sigaction == on_sigint;
+}
+#endif
+
+// the watch's handler in place of SIGINT's handler function, if it has one
+void install_sigint_watch(guard_state & g) {
+    g.watch_at = clock::time_point::max();
+#if !defined(_WIN32)
+    struct sigaction current_action;
+    if (sigaction(SIGINT, nullptr, &current_action) != 0 || is_watch_handler(current_action)) {
+        return;
+    }
+    const bool has_function = (current_action.sa_flags & SA_SIGINFO)
+                                  ? current_action.sa_sigaction != nullptr
+                                  : current_action.sa_handler != SIG_DFL && current_action.sa_handler != SIG_IGN;
+    if (!has_function) {
+        return;
+    }
+    replaced_sigint = current_action;
+    sigint_seen.store(false, std::memory_order_relaxed);
+    struct sigaction watch = current_action;
+    watch.sa_flags |= SA_SIGINFO;
+    watch.sa_sigaction = on_sigint;
+    g.watch_on = sigaction(SIGINT, &watch, nullptr) == 0;
+#else
+    (void) g;
+#endif
+}
+
 // `activity`: what the message names ("template execution", "grammar generation")
 void check_time(const char * activity = "template execution") {
     if (stopping.load(std::memory_order_relaxed)) {
         fire(std::string(activity) + " stopped: the interpreter is exiting");
     }
-    if (clock::now() > current().deadline) {
+    guard_state & g = current();
+    const clock::time_point now = clock::now();
+    if (now >= g.watch_at) {
+        install_sigint_watch(g);
+    }
+    if (g.watch_on && sigint_seen.load(std::memory_order_relaxed)) {
+        g.watch_stopped = true;
+        fire(std::string(activity) + " interrupted (SIGINT)");
+    }
+    if (g.cancel != nullptr && g.cancel->load(std::memory_order_relaxed)) {
+        fire(std::string(activity) + " stopped: " + g.cancel_why);
+    }
+    if (now > g.deadline) {
         char buf[64];
-        snprintf(buf, sizeof(buf), "%g", current().budget_seconds);
+        snprintf(buf, sizeof(buf), "%g", g.budget_seconds);
         fire(std::string(activity) + " exceeded the time budget (" + buf + " s)");
     }
 }
@@ -122,6 +192,55 @@ jinja_budget::~jinja_budget() {
     g.max_bytes = prev_max_bytes_;
     g.budget_seconds = prev_seconds_;
 }
+
+jinja_cancel::jinja_cancel(const std::atomic<bool> & flag, const char * why) noexcept
+    : prev_flag_(current().cancel), prev_why_(current().cancel_why) {
+    current().cancel = &flag;
+    current().cancel_why = why;
+}
+
+jinja_cancel::~jinja_cancel() {
+    current().cancel = prev_flag_;
+    current().cancel_why = prev_why_;
+}
+
+sigint_watch::sigint_watch(clock::duration after) noexcept {
+    guard_state & g = current();
+    g.watch_at = clock::now() + after;
+    g.watch_on = false;
+    g.watch_stopped = false;
+}
+
+sigint_watch::~sigint_watch() {
+    guard_state & g = current();
+    g.watch_at = clock::time_point::max();
+#if !defined(_WIN32)
+    struct sigaction current_action;
+    // (put back only if still ours: nothing else on this process changed it meanwhile)
+    if (g.watch_on && sigaction(SIGINT, nullptr, &current_action) == 0 && is_watch_handler(current_action)) {
+        sigaction(SIGINT, &replaced_sigint, nullptr);
+    }
+#endif
+    g.watch_on = false;
+    g.watch_stopped = false;
+}
+
+bool sigint_watch_saw_signal() noexcept {
+    return current().watch_on && sigint_seen.load(std::memory_order_relaxed);
+}
+
+void sigint_watch_forget_in_child() noexcept {
+#if !defined(_WIN32)
+    struct sigaction current_action;
+    if (sigaction(SIGINT, nullptr, &current_action) == 0 && is_watch_handler(current_action)) {
+        sigaction(SIGINT, &replaced_sigint, nullptr);
+    }
+#endif
+}
+
+bool sigint_watch::interrupted() const noexcept { return sigint_watch_saw_signal(); }
+
+bool sigint_watch::stopped_execution() const noexcept { return current().watch_stopped; }
 
 uint64_t jinja_guard_fired() { return current().fired; }
 

@@ -18,6 +18,7 @@
 // only in a worker process (UntrustedTemplate, RLIMIT_AS).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -51,6 +52,46 @@ uint64_t jinja_guard_fired();
 // time budget is exceeded) and every later one at its first -- at interpreter exit (gil.cpp),
 // so that the exit waits for no render longer than that; false: as before
 void jinja_guard_stop_all(bool stop) noexcept;
+
+// For the scope of this object, executions on the calling thread also stop at their next time
+// check once `flag` is true (the message: "<activity> stopped: <why>"): a batch's renders in
+// progress once the batch is interrupted. Scopes nest (the previous flag is put back).
+class jinja_cancel {
+  public:
+    jinja_cancel(const std::atomic<bool> & flag, const char * why) noexcept;
+    ~jinja_cancel();
+    jinja_cancel(const jinja_cancel &) = delete;
+    jinja_cancel & operator=(const jinja_cancel &) = delete;
+
+  private:
+    const std::atomic<bool> * prev_flag_;
+    const char * prev_why_;
+};
+
+// Ctrl-C during a long template execution on the calling thread (Python's main thread, the GIL
+// released; gil.h arms it). Python's handler for SIGINT only notes the signal, to be acted on once
+// the GIL is back, so a render holds a Ctrl-C up for as long as it runs. From `after` into the
+// scope (at the execution's next time check, so never for the short renders that are nearly all
+// of them) SIGINT's disposition is a handler that notes the signal here and then calls the one it
+// replaced (Python's); the execution then stops at its next time check ("template execution
+// interrupted (SIGINT)"), and the scope's end puts the replaced handler back. Nothing is changed
+// when SIGINT has no handler function (SIG_DFL, SIG_IGN). POSIX only (elsewhere: no effect).
+class sigint_watch {
+  public:
+    explicit sigint_watch(std::chrono::steady_clock::duration after) noexcept;
+    ~sigint_watch();
+    sigint_watch(const sigint_watch &) = delete;
+    sigint_watch & operator=(const sigint_watch &) = delete;
+    // SIGINT arrived while the watch's handler was in place (the caller runs Python's handlers)
+    bool interrupted() const noexcept;
+    // an execution stopped for it (the scope's results are not the request's)
+    bool stopped_execution() const noexcept;
+};
+// the calling thread's sigint_watch has seen SIGINT (false without a watch)
+bool sigint_watch_saw_signal() noexcept;
+// in a forked child (gil.cpp's atfork handler): a watch's handler inherited from the parent's
+// main thread, whose watch will not end here, is replaced by the disposition it had replaced
+void sigint_watch_forget_in_child() noexcept;
 
 // the message of the last guard that fired on this thread ("" if none): for a caller that gets
 // only a copy of the exception sliced to std::exception (common_chat_templates_init's rethrow)

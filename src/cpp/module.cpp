@@ -60,6 +60,7 @@ PYBIND11_MODULE(_core, m) {
     llamaprompt::install_log_callback();
     llama_backend_init();
     llamaprompt::hold_renders_at_exit();
+    llamaprompt::init_sigint_watch();
 
     llamaprompt::register_errors(m);
     llamaprompt::register_template(m);

@@ -345,14 +345,16 @@ class core_template {
             bool abandoned = false;  // taking them failed: render no more (the batch raises)
         } feed;
         std::atomic<size_t> next{0};
-        // set when the caller is interrupted once every body is taken (a signal handler raised,
-        // or the thread is unwound taking the GIL back): no thread starts another render
+        // set when the caller is interrupted (a signal handler raised, or the thread is unwound
+        // taking the GIL back): no thread starts another render, and the renders in progress stop
+        // at their next time check (jinja_cancel): no one gets their prompts
         std::atomic<bool> stop{false};
         const auto render = [&](size_t i) {
             if (refused[i]) {
                 return;
             }
             fork_hold hold;
+            jinja_cancel cancel(stop, "the batch was interrupted");  // (its prompts are not returned)
             log_capture logs;  // as apply_template's, per render
             // the same classification as call_upstream (llama-server's ex_wrapper)
             try {
@@ -403,10 +405,14 @@ class core_template {
                     f.more.notify_all();
                 }
             } close_feed{feed};
+            // a dict is taken without running Python code: the signal handlers are run before each
+            // request, and the GIL is offered to the other threads (gil.h: gil_offer)
+            gil_offer offer;
             for (size_t i = 0; i < bodies.size(); ++i) {
-                if (PyErr_CheckSignals() != 0) {  // a dict is taken without running Python code
+                if (PyErr_CheckSignals() != 0) {
                     throw py::error_already_set();
                 }
+                offer(i);
                 try {
                     bodies[i] = take(requests[i], encode);
                 } catch (py::error_already_set & e) {
@@ -423,7 +429,8 @@ class core_template {
             }
             close_feed.all_taken = true;
         } catch (py::error_already_set &) {
-            join();  // (the feed is abandoned: only the renders in progress)
+            stop.store(true);  // the renders in progress stop at their next time check (jinja_cancel)
+            join();            // (the feed is abandoned: only those)
             throw;
         }
         {
@@ -440,16 +447,29 @@ class core_template {
                     }
                 }
             } stop_guard{stop};
+            // (a Ctrl-C also stops the render in progress here, without_gil's sigint_watch: its
+            // KeyboardInterrupt is thrown out of the slice, and the pool's renders are stopped)
             constexpr auto signal_check = std::chrono::milliseconds(100);
             while (next.load() < bodies.size()) {
-                without_gil(
-                    [&]() {
-                        const auto until = std::chrono::steady_clock::now() + signal_check;
-                        for (size_t i; std::chrono::steady_clock::now() < until && (i = next++) < bodies.size();) {
-                            render(i);
-                        }
-                    },
-                    gil_released::per_render);
+                try {
+                    without_gil(
+                        [&]() {
+                            const auto until = std::chrono::steady_clock::now() + signal_check;
+                            for (size_t i; std::chrono::steady_clock::now() < until && !sigint_watch_saw_signal() &&
+                                           (i = next++) < bodies.size();) {
+                                render(i);
+                            }
+                        },
+                        gil_released::per_render);
+                } catch (py::error_already_set &) {
+                    stop.store(true);
+                    join();
+                    throw;
+                } catch (const error &) {  // (stopped, and no handler raised: raise_watched_interrupt)
+                    stop.store(true);
+                    join();
+                    throw;
+                }
                 if (PyErr_CheckSignals() != 0) {
                     stop.store(true);
                     py::error_already_set interrupted;  // (fetched before the GIL is released)

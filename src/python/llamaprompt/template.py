@@ -630,6 +630,10 @@ class ChatTemplate:
             TemplateError: llama-server would answer 500 (e.g. the template raised), or the
                 template execution exceeded a budget (time, stack, output size).
             TypeError: ``tokens=True`` for a template not loaded from a GGUF file.
+            KeyboardInterrupt: Ctrl-C during a render, called from the main thread with Python's
+                default SIGINT handler: the render stops at the engine's next time check (from
+                0.1 s into the call, SIGINT goes through a handler of the core that notes it, then
+                calls Python's; the disposition is put back when the call returns).
 
         A top-level template variable such as ``enable_thinking`` (llama-server reads it only
         in ``chat_template_kwargs``) and tools sent to a template that renders none are logged
@@ -669,8 +673,9 @@ class ChatTemplate:
         while this thread still reads the later ones -- and on the calling thread, which then
         releases the GIL for the rest of the batch, taking it back every 0.1 s only to run
         Python's signal handlers: a KeyboardInterrupt (or a handler's exception) while the
-        requests are read or rendered stops the batch -- the threads finish the renders they are
-        in (``timeout`` bounds each) and start no other -- and reaches the caller (called from
+        requests are read or rendered stops the batch -- the threads stop the renders they are
+        in (at the engine's next time check, as :meth:`apply_template` on Ctrl-C) and start no
+        other -- and reaches the caller (called from
         the main thread: Python runs signal handlers there only; a handler's ``Exception``
         raised inside Python's encoding of one request is that request's error). At most max(8, 4 x the CPU count)
         threads render (a render waits for nothing: more would only take memory). With hooks,
