@@ -387,6 +387,12 @@ class core_template {
         // the rest of the batch: this thread's share, then the renders in progress, GIL released
         // (other Python threads run meanwhile)
         const auto join = [&]() { without_gil([&]() { batch.join(); }, gil_released::per_render); };
+        // interrupted: no thread starts another render, the renders in progress stop at their next
+        // time check (jinja_cancel), and once they have, the caller gets the interruption
+        const auto stop_and_join = [&]() {
+            stop.store(true);
+            join();
+        };
         try {
             // when taking a body throws (a KeyboardInterrupt; also a thread's forced unwinding):
             // the pool's threads end the render they are in and start no other, so the exception
@@ -429,8 +435,7 @@ class core_template {
             }
             close_feed.all_taken = true;
         } catch (py::error_already_set &) {
-            stop.store(true);  // the renders in progress stop at their next time check (jinja_cancel)
-            join();            // (the feed is abandoned: only those)
+            stop_and_join();  // (the feed is abandoned: only the renders in progress)
             throw;
         }
         {
@@ -462,18 +467,15 @@ class core_template {
                         },
                         gil_released::per_render);
                 } catch (py::error_already_set &) {
-                    stop.store(true);
-                    join();
+                    stop_and_join();
                     throw;
                 } catch (const error &) {  // (stopped, and no handler raised: raise_watched_interrupt)
-                    stop.store(true);
-                    join();
+                    stop_and_join();
                     throw;
                 }
                 if (PyErr_CheckSignals() != 0) {
-                    stop.store(true);
                     py::error_already_set interrupted;  // (fetched before the GIL is released)
-                    join();  // the renders in progress
+                    stop_and_join();
                     throw interrupted;
                 }
             }
