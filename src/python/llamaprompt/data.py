@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from .errors import Error
-from .template import ChatTemplate
+from .template import ChatTemplate, map_on_threads
 
 __all__ = [
     "render_table",
@@ -197,13 +196,12 @@ def training_template(template: ChatTemplate) -> ChatTemplate:
 def render_rows(
     template: ChatTemplate, bodies: list[Any], *, tokens: bool = False, threads: int | None = None
 ) -> list[tuple[str | None, str | None, list[int] | None]]:
-    """(prompt, error, tokens) for each request body, in order; ``threads`` > 1 renders in a
-    thread pool sharing ``template``."""
+    """(prompt, error, tokens) for each request body, in order; ``threads`` > 1 renders on
+    ``threads`` Python threads sharing ``template`` (a Ctrl-C drops the rows not started)."""
     if tokens and template.gguf_path is None:
         raise TypeError("tokens=True needs a GGUF-backed template (ChatTemplate.from_gguf)")
     if threads and threads > 1 and len(bodies) > 1:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            return list(pool.map(lambda b: _render_one(template, b, tokens), bodies))
+        return map_on_threads(lambda b: _render_one(template, b, tokens), list(bodies), threads)
     return [_render_one(template, b, tokens) for b in bodies]
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import operator
 import os
+import threading
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
@@ -114,6 +116,51 @@ def _before(request: Request, hooks: list[Any]) -> Request:
                 raise TypeError(f"{type(hook).__name__}.before_request must return the request mapping")
     result: Mapping[str, Any] = body
     return result
+
+
+def map_on_threads(fn: Callable[[Any], Any], items: list[Any], threads: int) -> list[Any]:
+    """``[fn(x) for x in items]`` computed on ``threads`` Python threads, in order.
+
+    An exception in the calling thread while it waits (a KeyboardInterrupt) stops the threads
+    after the call each is in -- the items not started are dropped -- and is raised once they
+    have ended; so is the first exception ``fn`` raises (in item order; the items after it are
+    not started). Not ``concurrent.futures``: its executor takes locks in ``with`` blocks in the
+    calling thread (``submit``, ``shutdown``), and a Ctrl-C inside one left the lock held --
+    ``shutdown`` then waited for ever -- or raised "RuntimeError: release unlocked lock". Here the
+    calling thread only joins threads (``Thread.join`` is safe against it) and sets a flag.
+    """
+    results: list[Any] = [None] * len(items)
+    failed: dict[int, BaseException] = {}
+    claim = itertools.count()  # (next() on it is one C call: atomic under the GIL)
+    stop = [False]
+
+    def work() -> None:
+        while not stop[0]:
+            i = next(claim)
+            if i >= len(items):
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:  # (raised in the calling thread, below)
+                failed[i] = e
+                stop[0] = True
+                return
+
+    n = min(threads, len(items))
+    workers = [threading.Thread(target=work, name="llamaprompt-batch", daemon=True) for _ in range(n)]
+    for w in workers:
+        w.start()
+    try:
+        for w in workers:
+            w.join()
+    except BaseException:
+        stop[0] = True
+        for w in workers:
+            w.join()
+        raise
+    if failed:
+        raise failed[min(failed)]
+    return results
 
 
 class ChatTemplate:
@@ -679,7 +726,7 @@ class ChatTemplate:
         the main thread: Python runs signal handlers there only; a handler's ``Exception``
         raised inside Python's encoding of one request is that request's error). At most max(8, 4 x the CPU count)
         threads render (a render waits for nothing: more would only take memory). With hooks,
-        the requests go through :meth:`apply_template` on a Python thread pool instead.
+        the requests go through :meth:`apply_template` on ``threads`` Python threads instead.
 
         Args:
             requests: request bodies, as for :meth:`apply_template`.
@@ -717,7 +764,6 @@ class ChatTemplate:
             for request in items:
                 self._notices.check(request)
         if hooks_for(self, self._opts.hooks):
-            from concurrent.futures import ThreadPoolExecutor
 
             def one(request: Request) -> Any:
                 try:
@@ -725,11 +771,7 @@ class ChatTemplate:
                 except (Error, TypeError, ValueError) as e:
                     return e
 
-            pool = ThreadPoolExecutor(threads)
-            try:
-                results = list(pool.map(one, items))
-            finally:  # interrupted: the requests not started are dropped, not rendered first
-                pool.shutdown(wait=True, cancel_futures=True)
+            results = map_on_threads(one, items, threads)
         else:
             bodies: list[Any] = []
             for request in items:
