@@ -117,6 +117,28 @@ def test_check_names_the_file_that_is_not_json(tmp_path):
         assert f"{path}: not valid JSON" in proc.stderr, proc.stderr
 
 
+def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
+    # the right "schema" with contents check cannot read: one line naming the file and what is
+    # wrong, exit 2 (the build before: an AttributeError traceback and exit 1, check's "differs")
+    name = next(iter(few_doc["templates"]))
+    mutants = {
+        "templates_list": lambda d: d.update(templates=[]),
+        "requests_missing": lambda d: d.pop("requests"),
+        "entry_not_object": lambda d: d["templates"].update({name: 1}),
+        "cases_list": lambda d: d["templates"][name].update(cases=[]),
+        "no_chat_template": lambda d: d["templates"][name].pop("chat_template"),
+        "version_text": lambda d: d.update(schema_version=str(d["schema_version"])),
+    }
+    for label, mutate in mutants.items():
+        doc = copy.deepcopy(few_doc)
+        mutate(doc)
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(doc), encoding="utf-8")
+        proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+        assert proc.returncode == 2, (label, proc.stdout[-500:], proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and str(path) in proc.stderr, (label, proc.stderr)
+
+
 def test_check_names_another_commit_first(tmp_path, few_doc):
     path = tmp_path / "fx.json"
     fx.write_fixtures(few_doc, path)

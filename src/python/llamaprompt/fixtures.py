@@ -194,9 +194,30 @@ def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
         raise ValueError(f'{path}: not a llamaprompt fixtures file (no "schema": "{SCHEMA_ID}")')
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {doc.get('schema_version')} is not {SCHEMA_VERSION}")
+    if doc.get("schema_version") != SCHEMA_VERSION or isinstance(doc.get("schema_version"), bool):
+        raise ValueError(f"{path}: schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION!r}")
+    problem = _shape_problem(doc)
+    if problem:
+        raise ValueError(f"{path}: not a valid fixtures file: {problem} (fixtures.schema.json)")
     return doc
+
+
+def _shape_problem(doc: Mapping[str, Any]) -> str | None:
+    """What keeps ``doc`` from being read as fixtures (the parts check/diff read), or None."""
+    if not isinstance(doc.get("requests"), dict):
+        return '"requests" is not an object'
+    if not all(isinstance(r, dict) for r in doc["requests"].values()):
+        return 'a request in "requests" is not an object'
+    if not isinstance(doc.get("templates"), dict):
+        return '"templates" is not an object'
+    for name, entry in doc["templates"].items():
+        if not isinstance(entry, dict):
+            return f'template "{name}" is not an object'
+        if not isinstance(entry.get("chat_template"), str):
+            return f'template "{name}" has no "chat_template" text'
+        if not isinstance(entry.get("cases"), dict) or not all(isinstance(c, dict) for c in entry["cases"].values()):
+            return f'template "{name}": "cases" is not an object of objects'
+    return None
 
 
 def template_from_entry(entry: Mapping[str, Any], llama_cpp: str | None = None) -> ChatTemplate:

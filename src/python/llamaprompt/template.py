@@ -679,7 +679,7 @@ class ChatTemplate:
             TypeError: ``tokens=True`` for a template not loaded from a GGUF file.
             KeyboardInterrupt: Ctrl-C during a render, called from the main thread with Python's
                 default SIGINT handler: the render stops at the engine's next time check (from
-                0.1 s into the call, SIGINT goes through a handler of the core that notes it, then
+                1 ms into the call, SIGINT goes through a handler of the core that notes it, then
                 calls Python's; the disposition is put back when the call returns).
 
         A top-level template variable such as ``enable_thinking`` (llama-server reads it only
