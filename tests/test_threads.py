@@ -369,10 +369,12 @@ def test_reading_a_batch_lets_other_threads_run():
     # GIL is offered to the other threads every 5 ms meanwhile, so the main thread (which runs the
     # signal handlers, Ctrl-C's among them) keeps ticking every millisecond or so while they are
     # read -- the build before held the GIL for the whole read (the longest gap: the read's length)
+    # (the bound leaves room for a loaded machine, where the main thread also waits for a core:
+    # 0.067 s seen beside a build on 2 cores; the build before: the gap is the whole read)
     took, longest_gap, last = _script_output(READING_FROM_ANOTHER_THREAD)
     assert last == "1"
     assert float(took) > 0.1  # the read is long enough for the gap to tell
-    assert float(longest_gap) < 0.05
+    assert float(longest_gap) < min(0.15, float(took) / 3)
 
 
 LONG_RENDER_INTERRUPTED = r"""
