@@ -136,7 +136,8 @@ void init_sigint_watch();
 // execution was stopped for it, a TemplateError says so
 void raise_watched_interrupt(bool stopped_execution);
 // how long work runs before SIGINT is watched for: calls shorter than this (nearly all renders)
-// make no system call for it, and the two a longer one makes (~0.2 us each) are < 0.05% of it.
+// make no system call for it, and the four a longer one makes (sigaction, ~0.22 us each) are
+// < 0.1% of it.
 // A SIGINT within this first stretch reaches Python's handler only, and waits for the call's end
 // (the trial found 0.1 s here too long: a Ctrl-C 50 ms into a 4-minute template load waited for it)
 constexpr auto sigint_watch_after = std::chrono::milliseconds(1);
