@@ -123,6 +123,17 @@ bool is_watch_handler(const struct sigaction & sa) {
 }
 #endif
 
+// the disposition the watch's handler replaced, if the watch's is still in place (nothing else on
+// this process changed it meanwhile)
+void put_back_sigint() noexcept {
+#if !defined(_WIN32)
+    struct sigaction current_action;
+    if (sigaction(SIGINT, nullptr, &current_action) == 0 && is_watch_handler(current_action)) {
+        sigaction(SIGINT, &replaced_sigint, nullptr);
+    }
+#endif
+}
+
 // the watch's handler in place of SIGINT's handler function, if it has one
 void install_sigint_watch(guard_state & g) {
     g.watch_at = clock::time_point::max();
@@ -214,13 +225,9 @@ sigint_watch::sigint_watch(clock::duration after) noexcept {
 sigint_watch::~sigint_watch() {
     guard_state & g = current();
     g.watch_at = clock::time_point::max();
-#if !defined(_WIN32)
-    struct sigaction current_action;
-    // (put back only if still ours: nothing else on this process changed it meanwhile)
-    if (g.watch_on && sigaction(SIGINT, nullptr, &current_action) == 0 && is_watch_handler(current_action)) {
-        sigaction(SIGINT, &replaced_sigint, nullptr);
+    if (g.watch_on) {
+        put_back_sigint();
     }
-#endif
     g.watch_on = false;
     g.watch_stopped = false;
 }
@@ -229,14 +236,7 @@ bool sigint_watch_saw_signal() noexcept {
     return current().watch_on && sigint_seen.load(std::memory_order_relaxed);
 }
 
-void sigint_watch_forget_in_child() noexcept {
-#if !defined(_WIN32)
-    struct sigaction current_action;
-    if (sigaction(SIGINT, nullptr, &current_action) == 0 && is_watch_handler(current_action)) {
-        sigaction(SIGINT, &replaced_sigint, nullptr);
-    }
-#endif
-}
+void sigint_watch_forget_in_child() noexcept { put_back_sigint(); }
 
 bool sigint_watch::interrupted() const noexcept { return sigint_watch_saw_signal(); }
 
