@@ -10,6 +10,7 @@ import pytest
 
 import llamaprompt
 from conftest import load_reference
+from llamaprompt.cli import _parser
 
 CLI = [sys.executable, "-m", "llamaprompt.cli"]
 
@@ -50,9 +51,21 @@ def test_render_timeout(tmp_path):
         proc = run("render", "--template", str(slow), "--timeout", "0.3", *extra)
         assert proc.returncode == 2, proc.stderr
         assert b"TemplateError" in proc.stderr and b"exceeded the time budget (0.3 s)" in proc.stderr
-    for bad in ("0", "-1", "inf", "soon"):
+    for bad in ("0", "-1", "nan", "soon"):
         proc = run("render", "--timeout", bad)
         assert proc.returncode == 2 and b"--timeout" in proc.stderr
+    # no budget: ChatTemplate's timeout=None (the sandbox needs one: it kills its worker past it)
+    assert [_parser().parse_args(["render", "--timeout", t]).timeout for t in ("none", "inf", "2.5")] == [
+        None,
+        None,
+        2.5,
+    ]
+    proc = run("render", "--timeout", "none")
+    assert proc.returncode == 0 and proc.stdout.endswith(b"<|im_start|>assistant\n"), proc.stderr
+    proc = run("render", "--untrusted", "--timeout", "none")
+    assert proc.returncode == 2 and b"--untrusted needs a --timeout" in proc.stderr
+    proc = run("serve", "--pinned", "--untrusted", "--timeout", "-1")
+    assert proc.returncode == 2 and b"argument --timeout" in proc.stderr
     proc = run("render", "--untrusted", "--builtin", "chatml")
     assert proc.returncode == 2 and b"--untrusted" in proc.stderr
     # the command's usage line, as argparse's own errors print (not the top-level one)
@@ -176,6 +189,23 @@ def test_normalize_bodies_llama_cpp_rejects(tmp_path):
         except llamaprompt.RequestError as e:
             want = e.message
         assert proc.returncode == 2 and want.encode() in proc.stderr, (body, proc.stderr)
+
+
+def test_an_input_nested_too_deeply_to_read_is_named(tmp_path):
+    # 100,000 brackets: Python's JSON reader stops at its recursion limit; the message names the
+    # file and says so (the build before: "the result is nested too deeply to print", for an input
+    # never read); render hands the bytes to llama.cpp, which refuses them as llama-server does
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    said = f"{deep}: nested too deeply to read as JSON"
+    proc = run("normalize", str(deep))
+    assert proc.returncode == 2 and proc.stderr.decode().splitlines() == [
+        f"llamaprompt: RequestError: {said} (Python's recursion limit)"
+    ]
+    proc = run("diff", str(deep), str(deep))
+    assert proc.returncode == 2 and said in proc.stderr.decode(), proc.stderr
+    proc = run("render", str(deep))
+    assert proc.returncode == 2 and b"RequestError (HTTP 400): request is nested too deeply" in proc.stderr
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/dev/zero and RLIMIT_AS")

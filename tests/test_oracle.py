@@ -117,6 +117,35 @@ def test_check_names_the_file_that_is_not_json(tmp_path):
         assert f"{path}: not valid JSON" in proc.stderr, proc.stderr
 
 
+def test_diff_reads_both_files_alike(tmp_path, few_doc):
+    # REFERENCE and OTHER: a UTF-8 BOM and UTF-16 (PowerShell's `>`) read as json.loads reads them
+    # on either side, and a file that is not JSON named in one line with exit 2, on either side
+    # (the build before: the REFERENCE side refused what the OTHER side read, and OTHER's error was
+    # labelled RequestError)
+    plain = tmp_path / "plain.json"
+    fx.write_fixtures(few_doc, plain)
+    text = plain.read_text(encoding="utf-8")
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    utf16 = tmp_path / "utf16.json"
+    utf16.write_bytes(text.encode("utf-16"))
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"{not json")
+    n = len(few_doc["templates"])
+    for ref, other in ((bom, plain), (plain, bom), (utf16, plain), (plain, utf16)):
+        proc = subprocess.run([*CLI, "diff", str(ref), str(other), "--format", "json"], capture_output=True)
+        assert proc.returncode == 0, (ref.name, other.name, proc.stderr[-2000:])
+        report = json.loads(proc.stdout)
+        assert report["templates_agree"] == report["templates_total"] == n
+    for ref, other in ((bad, plain), (plain, bad)):
+        proc = subprocess.run([*CLI, "diff", str(ref), str(other)], capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"llamaprompt: ValueError: {bad}: not valid JSON: Expecting "
+            "property name enclosed in double quotes: line 1 column 2 (char 1)"
+        ]
+
+
 def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
     # the right "schema" with contents check cannot read: one line naming the file and what is
     # wrong, exit 2 (the build before: an AttributeError traceback and exit 1, check's "differs")

@@ -155,27 +155,43 @@ constexpr auto sigint_watch_after = std::chrono::milliseconds(1);
 //   again (a double free at exit); so the result waits outside the scope.
 // And no `catch (...)` may be around it (it would catch the forced unwinding, which must pass).
 // On Python's main thread a Ctrl-C stops a long template execution in fn (sigint_watch): the
-// KeyboardInterrupt is thrown instead of fn's result or error.
+// KeyboardInterrupt is thrown instead of fn's result or error. The watch is armed on the thread
+// that runs fn -- the thread with_enough_stack hops to, for a caller with a small stack, where the
+// engine's time checks are made -- and what it saw is carried back for the caller to act on.
 template <typename F>
 auto without_gil(F && fn, gil_released::holds holds = gil_released::whole_scope) -> decltype(fn()) {
     using result = decltype(fn());
     std::exception_ptr failure;
-    std::optional<sigint_watch> watch;
-    if (sigint_interrupts_here()) {
-        watch.emplace(sigint_watch_after);
-    }
+    const bool watch_here = sigint_interrupts_here();
+    struct {
+        bool interrupted = false;
+        bool stopped_execution = false;
+    } seen;
+    const auto watched = [&]() -> result {
+        if (!watch_here) {
+            return fn();
+        }
+        sigint_watch watch(sigint_watch_after);
+        struct note {  // (read before the watch's end puts SIGINT's disposition back)
+            const sigint_watch & w;
+            decltype(seen) & s;
+            ~note() {
+                s.interrupted = w.interrupted();
+                s.stopped_execution = w.stopped_execution();
+            }
+        } noted{watch, seen};
+        return fn();
+    };
     const auto interrupted = [&]() {
-        if (watch && watch->interrupted()) {
-            const bool stopped = watch->stopped_execution();
-            watch.reset();
-            raise_watched_interrupt(stopped);
+        if (seen.interrupted) {
+            raise_watched_interrupt(seen.stopped_execution);
         }
     };
     if constexpr (std::is_void_v<result>) {
         {
             gil_released nogil(holds);
             try {
-                with_enough_stack(fn);
+                with_enough_stack(watched);
             } catch (...) {
                 failure = std::current_exception();
             }
@@ -189,7 +205,7 @@ auto without_gil(F && fn, gil_released::holds holds = gil_released::whole_scope)
         {
             gil_released nogil(holds);
             try {
-                out.emplace(with_enough_stack(fn));
+                out.emplace(with_enough_stack(watched));
             } catch (...) {
                 failure = std::current_exception();
             }

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from . import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, __version__
+from . import fixtures as fx
 from .errors import Error, RequestError
 from .gguf import gguf_metadata
 from .options import DEFAULT_MEDIA_MARKER, DEFAULT_TIMEOUT
@@ -74,6 +75,16 @@ def _positive_seconds(text: str) -> float:
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError("must be a finite number of seconds > 0")
     return x
+
+
+def _timeout(text: str) -> float | None:
+    """--timeout: seconds > 0, or ``none``/``inf`` for no budget (ChatTemplate's timeout=None)."""
+    if text.strip().lower() in ("none", "inf", "infinity"):
+        return None
+    try:
+        return _positive_seconds(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError("must be a finite number of seconds > 0, or none") from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -165,11 +176,11 @@ def _template_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--timeout",
-        type=_positive_seconds,
+        type=_timeout,
         default=DEFAULT_TIMEOUT,
         metavar="S",
-        help=f"seconds the template's executions of one call may take (default {DEFAULT_TIMEOUT:g}); "
-        "past it the call fails with a TemplateError carrying llama.cpp's source excerpt",
+        help=f"seconds the template's executions of one call may take (default {DEFAULT_TIMEOUT:g}; "
+        "none: no budget); past it the call fails with a TemplateError carrying llama.cpp's source excerpt",
     )
     _core_and_media_options(g)
 
@@ -535,7 +546,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run each template in a sandboxed worker process with a time budget (llamaprompt.sandbox)",
     )
     p.add_argument(
-        "--timeout", type=float, default=10.0, metavar="S", help="with --untrusted: seconds one render may take"
+        "--timeout",
+        type=_positive_seconds,
+        default=10.0,
+        metavar="S",
+        help="with --untrusted: seconds one render may take (default 10)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -656,10 +671,12 @@ def _read_bytes(path: str) -> bytes:
 
 
 def _read_json(path: str) -> Any:
+    """A request-like input (REQUEST.json, --requests, --context, --messages): RequestError if
+    it is not JSON."""
     try:
-        return json.loads(_read_bytes(path))
+        return fx.json_from_bytes(_read_bytes(path), path)
     except ValueError as e:
-        raise RequestError(f"{path}: not valid JSON: {e}") from None
+        raise RequestError(str(e)) from None
 
 
 def _file_tokens(args: argparse.Namespace) -> dict[str, Any]:
@@ -700,6 +717,8 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> Any:
     if getattr(args, "untrusted", False):
         if args.builtin:
             raise UsageError("--untrusted runs Jinja templates (--template, --gguf), not --builtin")
+        if args.timeout is None:
+            raise UsageError("--untrusted needs a --timeout in seconds: the sandbox's worker is killed past it")
         from .sandbox import UntrustedTemplate
 
         factory = UntrustedTemplate
@@ -1028,8 +1047,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
-    from . import fixtures as fx
-
     if args.command == "fixtures":
         requests = None if args.requests is None else _read_json(args.requests)
         if requests is not None and not isinstance(requests, dict):
@@ -1080,7 +1097,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         return 0 if result.ok else 1
     if args.command == "diff":
         reference = fx.load_fixtures(args.reference)
-        other = _read_json(args.other)
+        other = fx.json_from_bytes(_read_bytes(args.other), args.other)  # (ValueError: exit 2)
         if not isinstance(other, dict):
             raise UsageError(f"{args.other}: must be a JSON object")
         report = fx.diff_fixtures(

@@ -183,15 +183,25 @@ def write_fixtures(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None
             tmp.unlink()
 
 
+def json_from_bytes(data: bytes, name: str) -> Any:
+    """A JSON document from a file's bytes (the encoding detected as ``json.loads`` does: UTF-8,
+    a UTF-8 BOM, UTF-16 or UTF-32). Raises ValueError "NAME: not valid JSON: ..." otherwise, and
+    "NAME: nested too deeply ..." past Python's recursion limit (~1,000 levels for its reader)."""
+    try:
+        return json.loads(data)
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        raise ValueError(f"{name}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{name}: nested too deeply to read as JSON (Python's recursion limit)") from None
+
+
 def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a fixtures file (a JSON object in UTF-8) into a dict.
+    """Read a fixtures file (a JSON object; UTF-8 as written, with or without a BOM, or UTF-16/32
+    as ``json.loads`` detects them) into a dict.
 
     Raises OSError when the file cannot be read, and ValueError naming the file when it is not
-    valid UTF-8 JSON or not a fixtures file (wrong schema id/version)."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both ValueErrors
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    valid JSON or not a fixtures file (wrong schema id/version, or contents of the wrong shape)."""
+    doc = json_from_bytes(Path(path).read_bytes(), str(path))
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
         raise ValueError(f'{path}: not a llamaprompt fixtures file (no "schema": "{SCHEMA_ID}")')
     if doc.get("schema_version") != SCHEMA_VERSION or isinstance(doc.get("schema_version"), bool):
