@@ -518,6 +518,46 @@ def test_apply_template_many_with_hooks_interrupted_drops_the_requests_not_start
     assert interrupted == "interrupted" and int(after_signal) < 5000
 
 
+HOOKED_LONG_RENDERS_INTERRUPTED = r"""
+import os
+import signal
+import threading
+import time
+import llamaprompt
+
+class Keep:
+    def before_request(self, request):
+        return request
+
+t = llamaprompt.ChatTemplate(
+    "{% for i in range(messages[0].content | int) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x",
+    timeout=None,
+    hooks=[Keep()],
+)
+long = {"messages": [{"role": "user", "content": "20000"}]}  # 15-30 s of loops here
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+try:
+    t.apply_template_many([long] * 4, threads=2)
+    print("no-interruption", round(time.monotonic() - start, 3))
+except KeyboardInterrupt:
+    print("interrupted", round(time.monotonic() - start, 3))
+short = {"messages": [{"role": "user", "content": "1"}]}
+print(t.apply_template_many([short] * 3, threads=2) == ["x"] * 3)
+"""
+
+
+@pytest.mark.parametrize("stack_kib", [None, pytest.param(512, marks=only_linux_stack)])
+def test_apply_template_many_with_hooks_interrupted_stops_the_renders_in_progress(stack_kib):
+    # the hooked batch's Python threads render with their own calls (no SIGINT watch off the main
+    # thread): a Ctrl-C 0.5 s in stops their renders in progress too (a flag of the batch's,
+    # template.map_on_threads), not after them (the build before: 15-30 s). With `ulimit -s 512`
+    # the threads' calls hop to threads with a stack of their own, and the flag goes with them
+    words = _script_output(HOOKED_LONG_RENDERS_INTERRUPTED, timeout=120, stack_kib=stack_kib)
+    assert words[0] == "interrupted", words
+    assert float(words[1]) < 1.5 and words[2] == "True", words
+
+
 def test_apply_template_many_called_from_several_threads_at_once():
     # calls that share the pool: each gets its own prompts, in its order
     t = _qwen()

@@ -102,15 +102,21 @@ constexpr size_t min_stack_left = size_t(1) << 20;
 constexpr size_t hop_stack_bytes = size_t(8) << 20;
 
 // fn() on a thread with stack_bytes of stack (big_stack.h), logging into this thread's capture
+// and stopped by this thread's cancel flag (jinja_cancel_thread)
 template <typename F>
 auto on_big_stack_logged(F && fn, size_t stack_bytes) -> decltype(fn()) {
     log_capture * logs = current_log_capture();
+    const auto cancel = jinja_cancel_current();
     return on_big_stack(
         [&]() -> decltype(fn()) {
             struct forward {
                 log_capture * prev;
                 ~forward() { exchange_log_capture(prev); }
             } in_force{exchange_log_capture(logs)};
+            std::optional<jinja_cancel> cancelled_with_caller;
+            if (cancel.first != nullptr) {
+                cancelled_with_caller.emplace(*cancel.first, cancel.second);
+            }
             return fn();
         },
         stack_bytes);

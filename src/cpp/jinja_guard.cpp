@@ -215,6 +215,17 @@ jinja_cancel::~jinja_cancel() {
     current().cancel_why = prev_why_;
 }
 
+void jinja_cancel_thread(std::shared_ptr<const std::atomic<bool>> flag, const char * why) noexcept {
+    static thread_local std::shared_ptr<const std::atomic<bool>> kept;
+    kept = std::move(flag);
+    current().cancel = kept.get();
+    current().cancel_why = kept ? why : nullptr;
+}
+
+std::pair<const std::atomic<bool> *, const char *> jinja_cancel_current() noexcept {
+    return {current().cancel, current().cancel_why};
+}
+
 sigint_watch::sigint_watch(clock::duration after) noexcept {
     guard_state & g = current();
     g.watch_at = clock::now() + after;

@@ -22,6 +22,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <string>
 
 namespace llamaprompt {
@@ -67,6 +69,15 @@ class jinja_cancel {
     const std::atomic<bool> * prev_flag_;
     const char * prev_why_;
 };
+
+// The calling thread's executions stop at their next time check while `flag` is true ("<activity>
+// stopped: <why>"), until the thread sets another (nullptr: none; the flag is kept alive until
+// then): a Python thread that renders for a caller who may be interrupted (template.py,
+// map_on_threads). A jinja_cancel scope on the thread takes its place for the scope.
+void jinja_cancel_thread(std::shared_ptr<const std::atomic<bool>> flag, const char * why) noexcept;
+// the calling thread's flag and its why (nullptr: none): for carrying them to another thread
+// that works for this one (gil.h, on_big_stack_logged)
+std::pair<const std::atomic<bool> *, const char *> jinja_cancel_current() noexcept;
 
 // Ctrl-C during a long template execution on the calling thread (Python's main thread, the GIL
 // released; gil.h arms it). Python's handler for SIGINT only notes the signal, to be acted on once

@@ -16,6 +16,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <memory>
+
 namespace py = pybind11;
 
 namespace llamaprompt {
@@ -51,6 +54,22 @@ PYBIND11_MODULE(_core, m) {
     // decodes deep JSON itself (CPython's json recurses on the C stack) asks it first
     m.def("stack_left", []() { return llamaprompt::stack_left(); });
     m.attr("CAPS_KEYS") = llamaprompt::caps_keys();
+    // a flag that stops the template executions of the threads it is given to once set
+    // (template.map_on_threads: its threads' renders in progress when the caller is interrupted)
+    struct stop_flag {
+        std::shared_ptr<std::atomic<bool>> flag = std::make_shared<std::atomic<bool>>(false);
+    };
+    py::class_<stop_flag>(m, "StopFlag")
+        .def(py::init<>())
+        .def("set", [](stop_flag & s) { s.flag->store(true); })
+        .def("is_set", [](const stop_flag & s) { return s.flag->load(); });
+    // the calling thread's executions stop once `flag` is set ("... stopped: <why>"); None: no flag
+    m.def(
+        "stop_renders_on_this_thread",
+        [](const stop_flag * flag) {
+            llamaprompt::jinja_cancel_thread(flag ? flag->flag : nullptr, "the caller was interrupted");
+        },
+        py::arg("flag").none(true));
 
     // llama.cpp's common log itself (its worker thread, stdout / stderr) stays silent: its LOG_*
     // lines reach Python's logging through the captures instead (lp_common_log.h), where the tree

@@ -201,7 +201,8 @@ def render_rows(
     if tokens and template.gguf_path is None:
         raise TypeError("tokens=True needs a GGUF-backed template (ChatTemplate.from_gguf)")
     if threads and threads > 1 and len(bodies) > 1:
-        return map_on_threads(lambda b: _render_one(template, b, tokens), list(bodies), threads)
+        lib = getattr(template, "_lib", None)  # (its renders in progress stop on a Ctrl-C)
+        return map_on_threads(lambda b: _render_one(template, b, tokens), list(bodies), threads, lib)
     return [_render_one(template, b, tokens) for b in bodies]
 
 

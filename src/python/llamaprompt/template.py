@@ -118,33 +118,42 @@ def _before(request: Request, hooks: list[Any]) -> Request:
     return result
 
 
-def map_on_threads(fn: Callable[[Any], Any], items: list[Any], threads: int) -> list[Any]:
+def map_on_threads(fn: Callable[[Any], Any], items: list[Any], threads: int, lib: Any = None) -> list[Any]:
     """``[fn(x) for x in items]`` computed on ``threads`` Python threads, in order.
 
-    An exception in the calling thread while it waits (a KeyboardInterrupt) stops the threads
-    after the call each is in -- the items not started are dropped -- and is raised once they
-    have ended; so is the first exception ``fn`` raises (in item order; the items after it are
-    not started). Not ``concurrent.futures``: its executor takes locks in ``with`` blocks in the
-    calling thread (``submit``, ``shutdown``), and a Ctrl-C inside one left the lock held --
-    ``shutdown`` then waited for ever -- or raised "RuntimeError: release unlocked lock". Here the
-    calling thread only joins threads (``Thread.join`` is safe against it) and sets a flag.
+    An exception in the calling thread while it waits (a KeyboardInterrupt) stops the threads:
+    the template executions in progress on them in core ``lib`` (a ``_core`` module; None: none)
+    stop at their next time check (``stop_renders_on_this_thread``), the items not started are
+    dropped, and the exception is raised once the threads have ended. The first exception ``fn``
+    raises is raised too (in item order; the items after it are not started, those in progress
+    end). Not ``concurrent.futures``: its executor takes locks in ``with`` blocks in the calling
+    thread (``submit``, ``shutdown``), and a Ctrl-C inside one left the lock held -- ``shutdown``
+    then waited for ever -- or raised "RuntimeError: release unlocked lock". Here the calling
+    thread only joins threads (``Thread.join`` is safe against it) and sets flags.
     """
     results: list[Any] = [None] * len(items)
     failed: dict[int, BaseException] = {}
     claim = itertools.count()  # (next() on it is one C call: atomic under the GIL)
     stop = [False]
+    interrupted = lib.StopFlag() if lib is not None else None
 
     def work() -> None:
-        while not stop[0]:
-            i = next(claim)
-            if i >= len(items):
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as e:  # (raised in the calling thread, below)
-                failed[i] = e
-                stop[0] = True
-                return
+        if lib is not None:
+            lib.stop_renders_on_this_thread(interrupted)
+        try:
+            while not stop[0]:
+                i = next(claim)
+                if i >= len(items):
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as e:  # (raised in the calling thread, below)
+                    failed[i] = e
+                    stop[0] = True
+                    return
+        finally:
+            if lib is not None:
+                lib.stop_renders_on_this_thread(None)
 
     n = min(threads, len(items))
     workers = [threading.Thread(target=work, name="llamaprompt-batch", daemon=True) for _ in range(n)]
@@ -155,6 +164,8 @@ def map_on_threads(fn: Callable[[Any], Any], items: list[Any], threads: int) -> 
             w.join()
     except BaseException:
         stop[0] = True
+        if interrupted is not None:
+            interrupted.set()
         for w in workers:
             w.join()
         raise
@@ -771,7 +782,7 @@ class ChatTemplate:
                 except (Error, TypeError, ValueError) as e:
                     return e
 
-            results = map_on_threads(one, items, threads)
+            results = map_on_threads(one, items, threads, self._lib)
         else:
             bodies: list[Any] = []
             for request in items:
