@@ -208,6 +208,27 @@ def test_bad_template_in_gguf(tmp_path):
         llamaprompt.ChatTemplate.from_gguf(path)
 
 
+def test_a_broken_tool_use_template_standing_in_for_the_default_says_why(tmp_path):
+    # no tokenizer.chat_template: llama.cpp takes the tool_use template as the default, and its
+    # parse error comes back sliced to "std::exception" (chat.cpp's `throw e;`); the message is
+    # the parser's, as for a broken default template (the trial of session 54: "std::exception")
+    broken = "{% for %}"
+    with pytest.raises(llamaprompt.TemplateError) as default_broken:
+        llamaprompt.ChatTemplate.from_gguf(_rewrite(vocab_gguf(SPM), tmp_path / "d.gguf", template=broken))
+    path = _rewrite(
+        vocab_gguf(SPM),
+        tmp_path / "t.gguf",
+        template=[{"name": "tool_use", "template": broken}],
+        remove=["tokenizer.chat_template"],
+    )
+    meta = llamaprompt.gguf_metadata(path)
+    assert "tokenizer.chat_template" not in meta and meta["tokenizer.chat_template.tool_use"] == broken
+    with pytest.raises(llamaprompt.TemplateError) as tool_use_broken:
+        llamaprompt.ChatTemplate.from_gguf(path)
+    assert default_broken.value.message != "std::exception"
+    assert tool_use_broken.value.message == default_broken.value.message
+
+
 def test_llama_cpp_log_goes_to_logging(caplog, tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 20)

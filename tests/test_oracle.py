@@ -146,6 +146,34 @@ def test_diff_reads_both_files_alike(tmp_path, few_doc):
         ]
 
 
+def test_diff_refuses_an_other_file_it_cannot_read(tmp_path, few_doc):
+    # OTHER as a fixtures file of the wrong shape or schema_version, or not an object: one line
+    # naming the file and what is wrong, exit 2 (the trial of session 54: AttributeError
+    # tracebacks with exit 1, argparse's usage for a JSON array, and schema_version 999 compared
+    # as if it were 1, where check refuses it)
+    ref = tmp_path / "ref.json"
+    fx.write_fixtures(few_doc, ref)
+    name = next(iter(few_doc["templates"]))
+    mutants = {
+        "templates_int": (lambda d: d.update(templates=5), '"templates" is not an object'),
+        "cases_text": (lambda d: d["templates"][name].update(cases="x"), f'template "{name}" is not an object'),
+        "entry_null": (lambda d: d["templates"].update({name: None}), f'template "{name}" is not an object'),
+        "version_999": (lambda d: d.update(schema_version=999), "schema_version 999 is not 1"),
+        "array": (lambda d: d.clear(), "must be a JSON object"),
+        "minimal_not_a_map": (lambda d: d.clear() or d.update(a=5), "template 'a' must map request names"),
+    }
+    for label, (mutate, says) in mutants.items():
+        doc: object = copy.deepcopy(few_doc)
+        mutate(doc)
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps([] if label == "array" else doc), encoding="utf-8")
+        proc = subprocess.run([*CLI, "diff", str(ref), str(path)], capture_output=True, text=True)
+        assert proc.returncode == 2, (label, proc.stdout[-500:], proc.stderr[-2000:])
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"llamaprompt: ValueError: {path}: "), (label, lines)
+        assert says in lines[0], (label, lines)
+
+
 def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
     # the right "schema" with contents check cannot read: one line naming the file and what is
     # wrong, exit 2 (the build before: an AttributeError traceback and exit 1, check's "differs")

@@ -96,6 +96,26 @@ def test_hostile_load_fails_with_template_error():
         UntrustedTemplate("{{ foo(")
 
 
+@pytest.mark.parametrize(
+    "budget, says",
+    [
+        ({"timeout": None}, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": float("inf")}, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": 0}, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": "5"}, "timeout must be a finite number of seconds > 0"),
+        ({"max_output_bytes": None}, "max_output_bytes must be a positive int"),
+        ({"max_output_bytes": 1.5}, "max_output_bytes must be a positive int"),
+        ({"max_memory_bytes": 0}, "max_memory_bytes must be a positive int or None"),
+    ],
+)
+def test_a_budget_the_worker_cannot_keep_is_refused(budget, says):
+    # the sandbox's budgets are kills and refusals: None, inf or a wrong type is a ValueError
+    # saying so (the trial of session 54: "TypeError: '<=' not supported between instances of
+    # 'NoneType' and 'int'" for timeout=None, int()'s TypeError for max_output_bytes=None)
+    with pytest.raises(ValueError, match=says):
+        UntrustedTemplate("{{ messages[0]['content'] }}!", **budget)
+
+
 @pytest.mark.parametrize("timeout", [1e10, 1e300])
 def test_a_budget_longer_than_select_takes(timeout):
     # select() takes at most a time_t's worth of seconds: budgets past ~9.2e9 s raised

@@ -229,8 +229,14 @@ class core_template {
         const llama_token eos_id = llama_vocab_eos(vocab);
         const std::string bos = bos_id != LLAMA_TOKEN_NULL ? common_token_to_piece(vocab, bos_id, true) : "";
         const std::string eos = eos_id != LLAMA_TOKEN_NULL ? common_token_to_piece(vocab, eos_id, true) : "";
+        // (for a parse error's message: the template common_chat_templates_init parses as the default
+        // -- the override, else the file's, and where that is missing or "chatml" the tool_use one)
         const char * in_file = llama_model_chat_template(model->model(), nullptr);
-        const std::string shown = !chat_template_override.empty() ? chat_template_override : (in_file ? in_file : "");
+        const char * tool_use = llama_model_chat_template(model->model(), "tool_use");
+        std::string shown = !chat_template_override.empty() ? chat_template_override : (in_file ? in_file : "");
+        if ((shown.empty() || shown == "chatml") && tool_use != nullptr && *tool_use != '\0') {
+            shown = tool_use;
+        }
         init(*params, media_marker, fetch_remote_media, bos, eos, [&]() {
             return common_chat_templates_init(model->model(), chat_template_override);
         }, shown);

@@ -1097,9 +1097,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         return 0 if result.ok else 1
     if args.command == "diff":
         reference = fx.load_fixtures(args.reference)
-        other = fx.json_from_bytes(_read_bytes(args.other), args.other)  # (ValueError: exit 2)
-        if not isinstance(other, dict):
-            raise UsageError(f"{args.other}: must be a JSON object")
+        other = fx.load_other(args.other, _read_bytes(args.other))  # (ValueError: exit 2)
         report = fx.diff_fixtures(
             reference, other, context=args.context, mask=args.mask_dates, explain=args.explain, llama_cpp=args.llama_cpp
         )

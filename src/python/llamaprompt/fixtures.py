@@ -29,6 +29,8 @@ __all__ = [
     "schema",
     "render_fixtures",
     "write_fixtures",
+    "load_fixtures",
+    "load_other",
     "check_fixtures",
     "diff_fixtures",
     "CheckResult",
@@ -340,21 +342,31 @@ def check_fixtures(
 # diff
 
 
-def _other_cases(other: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, dict]]:
+def _other_cases(other: Mapping[str, Any], name: str = "OTHER") -> tuple[dict[str, dict[str, Any]], dict[str, dict]]:
     """(cases, caps) per template from an OTHER file: the fixtures schema, or a minimal
-    ``{template: {request: prompt | null | {"status":..., "error":...}}}`` map."""
+    ``{template: {request: prompt | null | {"status":..., "error":...}}}`` map. Raises ValueError
+    starting with ``name`` when it is neither."""
     cases: dict[str, dict[str, Any]]
     if other.get("schema") == SCHEMA_ID:
-        cases = {
-            t: {r: (c if isinstance(c, Mapping) else {"status": None}) for r, c in e.get("cases", {}).items()}
-            for t, e in other["templates"].items()
-        }
-        caps = {t: e["caps"] for t, e in other["templates"].items() if isinstance(e.get("caps"), dict)}
+        version = other.get("schema_version")
+        if version != SCHEMA_VERSION or isinstance(version, bool):
+            raise ValueError(f"{name}: schema_version {version!r} is not {SCHEMA_VERSION!r}")
+        templates = other.get("templates")
+        if not isinstance(templates, Mapping):
+            raise ValueError(f'{name}: "templates" is not an object (fixtures.schema.json)')
+        cases = {}
+        for t, e in templates.items():
+            if not isinstance(e, Mapping) or not isinstance(e.get("cases", {}), Mapping):
+                raise ValueError(
+                    f'{name}: template "{t}" is not an object with "cases" an object (fixtures.schema.json)'
+                )
+            cases[t] = {r: (c if isinstance(c, Mapping) else {"status": None}) for r, c in e.get("cases", {}).items()}
+        caps = {t: e["caps"] for t, e in templates.items() if isinstance(e.get("caps"), dict)}
         return cases, caps
     cases = {}
     for tname, reqs in other.items():
         if not isinstance(reqs, Mapping):
-            raise ValueError(f"OTHER: template {tname!r} must map request names to prompts")
+            raise ValueError(f"{name}: template {tname!r} must map request names to prompts")
         out: dict[str, Any] = {}
         for rname, value in reqs.items():
             if isinstance(value, str):
@@ -364,9 +376,21 @@ def _other_cases(other: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], d
             elif value is None:
                 out[rname] = {"status": None}
             else:
-                raise ValueError(f"OTHER: {tname}/{rname}: expected a prompt string, null or a case object")
+                raise ValueError(f"{name}: {tname}/{rname}: expected a prompt string, null or a case object")
         cases[tname] = out
     return cases, {}
+
+
+def load_other(path: str | os.PathLike[str], data: bytes | None = None) -> dict[str, Any]:
+    """Read the OTHER file of :func:`diff_fixtures` (``data``: its bytes, already read): a fixtures
+    file or a minimal ``{template: {request: prompt}}`` map, in any encoding :func:`json_from_bytes`
+    reads. Raises OSError when it cannot be read, and ValueError naming the file when it is
+    neither (not JSON, not an object, a fixtures file of another schema_version or shape)."""
+    doc = json_from_bytes(Path(path).read_bytes() if data is None else data, str(path))
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: must be a JSON object (a fixtures file or a {{template: {{request: prompt}}}} map)")
+    _other_cases(doc, str(path))
+    return doc
 
 
 def _first_difference(a: str, b: str) -> int:

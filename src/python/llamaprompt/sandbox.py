@@ -26,6 +26,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
+import numbers
 import os
 import pickle
 import select
@@ -382,8 +384,25 @@ class UntrustedTemplate:
         max_memory_bytes: int | None,
         name: str | None = None,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError("timeout must be > 0")
+        # budgets the worker is killed or refused past: finite, and of their types
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+            raise ValueError(
+                f"timeout must be a finite number of seconds > 0 (the worker is killed past it), not {timeout!r}"
+            )
+        if (
+            isinstance(max_output_bytes, bool)
+            or not isinstance(max_output_bytes, numbers.Integral)
+            or max_output_bytes <= 0
+        ):
+            raise ValueError(
+                f"max_output_bytes must be a positive int (the sandbox's output budget), not {max_output_bytes!r}"
+            )
+        if max_memory_bytes is not None and (
+            isinstance(max_memory_bytes, bool)
+            or not isinstance(max_memory_bytes, numbers.Integral)
+            or max_memory_bytes <= 0
+        ):
+            raise ValueError(f"max_memory_bytes must be a positive int or None, not {max_memory_bytes!r}")
         # the worker's ChatTemplate stops cooperatively at the same budgets (no restart);
         # killing the worker is the backstop for what cannot be interrupted. The options are
         # checked here (the caps names by the worker's core) and rebuilt there as they are.

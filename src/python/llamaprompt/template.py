@@ -676,7 +676,8 @@ class ChatTemplate:
             tokens: also return the prompt's tokens, from the same render: a
                 :class:`PromptTokens` ``(prompt, tokens)``, tokens as :meth:`apply_template_tokens`
                 gives them (GGUF-backed templates only).
-            timeout: this call's time budget in seconds (default: the template's).
+            timeout: this call's time budget in seconds; ``None`` (the default): the
+                template's; ``float("inf")``: none for this call.
 
         Returns:
             The prompt (str). Bytes that are not valid UTF-8 are kept as surrogate escapes.
