@@ -305,6 +305,11 @@ def _stop_workers() -> None:
 atexit.register(_stop_workers)
 
 
+def _is_number(value: object, kind: type) -> bool:
+    """``value`` is a number of ``kind`` (numbers.Real, numbers.Integral: numpy's too), not a bool."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 class UntrustedTemplate:
     """A chat template run in a worker process with wall-time, memory and output budgets.
 
@@ -385,22 +390,16 @@ class UntrustedTemplate:
         name: str | None = None,
     ) -> None:
         # budgets the worker is killed or refused past: finite, and of their types
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        if not _is_number(timeout, numbers.Real) or not 0 < float(timeout) < math.inf:
             raise ValueError(
                 f"timeout must be a finite number of seconds > 0 (the worker is killed past it), not {timeout!r}"
             )
-        if (
-            isinstance(max_output_bytes, bool)
-            or not isinstance(max_output_bytes, numbers.Integral)
-            or max_output_bytes <= 0
-        ):
+        if not _is_number(max_output_bytes, numbers.Integral) or int(max_output_bytes) <= 0:
             raise ValueError(
                 f"max_output_bytes must be a positive int (the sandbox's output budget), not {max_output_bytes!r}"
             )
         if max_memory_bytes is not None and (
-            isinstance(max_memory_bytes, bool)
-            or not isinstance(max_memory_bytes, numbers.Integral)
-            or max_memory_bytes <= 0
+            not _is_number(max_memory_bytes, numbers.Integral) or int(max_memory_bytes) <= 0
         ):
             raise ValueError(f"max_memory_bytes must be a positive int or None, not {max_memory_bytes!r}")
         # the worker's ChatTemplate stops cooperatively at the same budgets (no restart);
