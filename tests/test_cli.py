@@ -178,6 +178,17 @@ def test_normalize_needs_messages(tmp_path):
         raise AssertionError("llama.cpp accepted a body without messages")
 
 
+def test_normalize_without_a_file_takes_the_sample(tmp_path):
+    # as render and inputs do: the built-in sample request's messages, one per message in its order
+    from llamaprompt.samples import SAMPLE_REQUEST
+
+    proc = run("normalize")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [m["role"] for m in out] == [m["role"] for m in SAMPLE_REQUEST["messages"]]
+    assert out[0]["content"] == SAMPLE_REQUEST["messages"][0]["content"]
+
+
 def test_normalize_bodies_llama_cpp_rejects(tmp_path):
     t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
     for body in ('"x"', '{"messages": null}'):

@@ -245,7 +245,13 @@ def _parser() -> argparse.ArgumentParser:
         "a JSON list, or an object with 'messages' (and optional 'tools').",
     )
     _template_options(p)
-    p.add_argument("messages", metavar="MESSAGES.json", help="messages file, or - for stdin")
+    p.add_argument(
+        "messages",
+        nargs="?",
+        default=None,
+        metavar="MESSAGES.json",
+        help="messages file, or - for stdin (default: the built-in sample request's)",
+    )
 
     p = sub.add_parser(
         "inputs",
@@ -883,7 +889,7 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
             sys.stdout.flush()
         elif args.command == "normalize":
-            data = _read_json(args.messages)
+            data = SAMPLE_REQUEST if args.messages is None else _read_json(args.messages)
             if not isinstance(data, (dict, list)):
                 template.apply_template(json.dumps(data))  # llama.cpp's own refusal of such a body
             if isinstance(data, dict):
