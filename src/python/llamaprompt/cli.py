@@ -677,8 +677,8 @@ def _read_bytes(path: str) -> bytes:
 
 
 def _read_json(path: str) -> Any:
-    """A request-like input (REQUEST.json, --requests, --context, --messages): RequestError if
-    it is not JSON."""
+    """A JSON input of the command line (requests, messages, a Jinja context): RequestError if
+    it is not JSON (or nested too deeply for Python's reader)."""
     try:
         return fx.json_from_bytes(_read_bytes(path), path)
     except ValueError as e:
