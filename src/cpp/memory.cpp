@@ -381,3 +381,12 @@ bool llamaprompt::block_sizes_fit(const std::vector<std::size_t> &) noexcept { r
 bool llamaprompt::block_cache_slot_found() noexcept { return false; }
 
 #endif
+
+void llamaprompt::merge_freed_chunks() noexcept {
+#if defined(__GLIBC__)
+    // above the sizes of glibc's per-thread cache (1,032 bytes): _int_malloc's large-bin path,
+    // which merges the arena's fast bins first; `volatile`: the pair is not optimized away
+    void * volatile block = std::malloc(4096);
+    std::free(block);
+#endif
+}

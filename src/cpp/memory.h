@@ -30,4 +30,11 @@ bool block_sizes_fit(const std::vector<std::size_t> & usable) noexcept;
 // (thread_slots.h) and they are its own (for tests; false before the thread's first allocation,
 // when its slot is another thread's, and in a build without the cache or the slots)
 bool block_cache_slot_found() noexcept;
+// glibc keeps small freed chunks in its arenas' "fast bins" until a request for a large chunk
+// from the same arena merges them all (malloc_consolidate). A batch's request trees are built on
+// the calling thread and freed on the pool's threads into that thread's arena: hundreds of
+// thousands of chunks, whose merging took ~0.1 s (300,000 requests) at the first large allocation
+// after the batch -- the growth of its result list, with the GIL held (every other Python thread
+// stopped). Called without the GIL, this makes that request now (elsewhere: nothing).
+void merge_freed_chunks() noexcept;
 }  // namespace llamaprompt

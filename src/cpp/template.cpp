@@ -4,6 +4,7 @@
 #include "errors.h"
 #include "jinja_guard.h"
 #include "logging.h"
+#include "memory.h"
 #include "model.h"
 #include "request.h"
 #include "shim.h"
@@ -392,7 +393,13 @@ class core_template {
         thread_batch batch(std::max<size_t>(1, std::min<size_t>(threads, bodies.size())), work);
         // the rest of the batch: this thread's share, then the renders in progress, GIL released
         // (other Python threads run meanwhile)
-        const auto join = [&]() { without_gil([&]() { batch.join(); }, gil_released::per_render); };
+        // (and the calling thread's arena's freed chunks merged while the GIL is released: memory.h)
+        const auto join = [&]() {
+            without_gil([&]() {
+                batch.join();
+                merge_freed_chunks();
+            }, gil_released::per_render);
+        };
         // interrupted: no thread starts another render, the renders in progress stop at their next
         // time check (jinja_cancel), and once they have, the caller gets the interruption
         const auto stop_and_join = [&]() {
