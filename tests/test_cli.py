@@ -55,11 +55,8 @@ def test_render_timeout(tmp_path):
         proc = run("render", "--timeout", bad)
         assert proc.returncode == 2 and b"--timeout" in proc.stderr
     # no budget: ChatTemplate's timeout=None (the sandbox needs one: it kills its worker past it)
-    assert [_parser().parse_args(["render", "--timeout", t]).timeout for t in ("none", "inf", "2.5")] == [
-        None,
-        None,
-        2.5,
-    ]
+    spellings = ("none", "inf", "+inf", "1e400", "2.5")
+    assert [_parser().parse_args(["render", "--timeout", t]).timeout for t in spellings] == [None] * 4 + [2.5]
     proc = run("render", "--timeout", "none")
     assert proc.returncode == 0 and proc.stdout.endswith(b"<|im_start|>assistant\n"), proc.stderr
     proc = run("render", "--untrusted", "--timeout", "none")

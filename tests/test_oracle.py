@@ -161,6 +161,12 @@ def test_diff_refuses_an_other_file_it_cannot_read(tmp_path, few_doc):
         "version_999": (lambda d: d.update(schema_version=999), "schema_version 999 is not 1"),
         "array": (lambda d: d.clear(), "must be a JSON object"),
         "minimal_not_a_map": (lambda d: d.clear() or d.update(a=5), "template 'a' must map request names"),
+        # a case: its error a number, no prompt for a 200, a status as text (session 54's second
+        # helper: AttributeError tracebacks with exit 1, or a KeyError / TypeError not naming the file)
+        "error_number": (lambda d: d["templates"][name]["cases"].update(x={"status": 500, "error": 5}), '"error" is'),
+        "no_prompt": (lambda d: d["templates"][name]["cases"].update(x={"status": 200}), 'without a "prompt"'),
+        "status_text": (lambda d: d["templates"][name]["cases"].update(x={"status": "200", "prompt": ""}), '"status"'),
+        "schema_missing": (lambda d: d.pop("schema"), '"schema" is None'),
     }
     for label, (mutate, says) in mutants.items():
         doc: object = copy.deepcopy(few_doc)
@@ -174,6 +180,21 @@ def test_diff_refuses_an_other_file_it_cannot_read(tmp_path, few_doc):
         assert says in lines[0], (label, lines)
 
 
+def test_diff_reports_a_prompt_with_a_lone_surrogate(tmp_path, few_doc):
+    # a lone surrogate is valid JSON ("\ud800") but no UTF-8: the markdown report shows it as
+    # U+FFFD and the difference is reported, exit 1 (the build before: UnicodeEncodeError, exit 2,
+    # nothing printed)
+    ref = tmp_path / "ref.json"
+    fx.write_fixtures(few_doc, ref)
+    name = next(iter(few_doc["templates"]))
+    case = next(iter(few_doc["templates"][name]["cases"]))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({name: {case: "\ud800"}}), encoding="utf-8")
+    proc = subprocess.run([*CLI, "diff", str(ref), str(other)], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "\ufffd" in proc.stdout and case in proc.stdout
+
+
 def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
     # the right "schema" with contents check cannot read: one line naming the file and what is
     # wrong, exit 2 (the build before: an AttributeError traceback and exit 1, check's "differs")
@@ -185,6 +206,11 @@ def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
         "cases_list": lambda d: d["templates"][name].update(cases=[]),
         "no_chat_template": lambda d: d["templates"][name].pop("chat_template"),
         "version_text": lambda d: d.update(schema_version=str(d["schema_version"])),
+        "caps_null": lambda d: d["templates"][name].update(caps=None),
+        "bos_number": lambda d: d["templates"][name].update(bos_token=5),
+        "server_args_text": lambda d: d["templates"][name].update(server_args="x"),
+        "error_number": lambda d: d["templates"][name]["cases"].update(x={"status": 500, "error": 5}),
+        "prompt_null": lambda d: d["templates"][name]["cases"].update(x={"status": 200, "prompt": None}),
     }
     for label, mutate in mutants.items():
         doc = copy.deepcopy(few_doc)

@@ -105,7 +105,10 @@ def test_hostile_load_fails_with_template_error():
         ({"timeout": "5"}, "timeout must be a finite number of seconds > 0"),
         ({"max_output_bytes": None}, "max_output_bytes must be a positive int"),
         ({"max_output_bytes": 1.5}, "max_output_bytes must be a positive int"),
-        ({"max_memory_bytes": 0}, "max_memory_bytes must be a positive int or None"),
+        ({"max_memory_bytes": 0}, "max_memory_bytes must be an int of at least 512 MiB"),
+        # (too little for the worker to start: the build before failed later, "std::bad_alloc" as
+        # a ServerArgsError)
+        ({"max_memory_bytes": 5}, "max_memory_bytes must be an int of at least 512 MiB"),
     ],
 )
 def test_a_budget_the_worker_cannot_keep_is_refused(budget, says):
@@ -114,6 +117,18 @@ def test_a_budget_the_worker_cannot_keep_is_refused(budget, says):
     # 'NoneType' and 'int'" for timeout=None, int()'s TypeError for max_output_bytes=None)
     with pytest.raises(ValueError, match=says):
         UntrustedTemplate("{{ messages[0]['content'] }}!", **budget)
+
+
+def test_a_memory_budget_past_what_rlimit_holds_is_no_limit():
+    # 2**63 bytes and more do not fit RLIMIT_AS: no limit (the build before: the worker died of
+    # an OverflowError traceback, "the template crashed the sandbox worker"); an int subclass is
+    # sent to the worker as an int (the build before: the worker could not unpickle it)
+    class Bytes(int):
+        pass
+
+    for budget in (2**63, 10**30, Bytes(1 << 30)):
+        with UntrustedTemplate("{{ messages[0]['content'] }}!", max_memory_bytes=budget) as u:
+            assert u.apply_template(REQ) == "hi!"
 
 
 @pytest.mark.parametrize("timeout", [1e10, 1e300])
@@ -334,7 +349,10 @@ def test_the_worker_of_a_call_in_progress_is_stopped_at_exit(tmp_path):
     # would stay open for as long as the worker runs)
     with open(tmp_path / "stderr", "w+") as err:
         proc = subprocess.run(
-            [sys.executable, "-c", EXIT_DURING_A_SANDBOXED_CALL], stdout=subprocess.PIPE, stderr=err, text=True,
+            [sys.executable, "-c", EXIT_DURING_A_SANDBOXED_CALL],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
             timeout=120,
         )
         err.seek(0)

@@ -343,7 +343,7 @@ class core_template {
         std::vector<py::object> refused(requests.size());  // what `encode` raised (untouched without the GIL)
         std::vector<outcome> out;
         // their memory made (written, page by page: ~30 ms for 300,000) without the GIL, for a
-        // batch large enough to keep the other Python threads waiting that long
+        // batch large enough to keep the other Python threads waiting that long (and freed so, below)
         const auto make_room = [&]() {
             bodies.resize(requests.size());
             out.resize(requests.size());
@@ -512,8 +512,12 @@ class core_template {
         for (const auto & o : out) {
             emit_records(o.logs);
         }
+        // (the prompts become Python strings with the GIL held, offered to the other threads every
+        // 5 ms: 300,000 prompts of Qwen3's took ~40 ms)
         py::list result;
+        gil_offer offer;
         for (size_t i = 0; i < out.size(); ++i) {
+            offer(i);
             const outcome & o = out[i];
             if (refused[i]) {
                 result.append(refused[i]);
@@ -523,6 +527,15 @@ class core_template {
                 result.append(make_py_error(o.status == 400 ? error_kind::request : error_kind::template_, o.status,
                                             o.text));
             }
+        }
+        // a large batch's prompts and slots freed without the GIL (and glibc's merge of the freed
+        // chunks that a large free starts: ~20 ms for 300,000, with the GIL held at the return)
+        if (out.size() >= 4096) {
+            without_gil([&]() {
+                std::vector<outcome>().swap(out);
+                std::vector<body_in>().swap(bodies);
+                merge_freed_chunks();
+            });
         }
         return result;
     }

@@ -46,6 +46,7 @@ from .options import media_kinds as _media
 from .pinned import DEFAULT_TEMPLATE, pinned_template, pinned_templates
 from .samples import SAMPLE_REQUEST
 from .template import ChatTemplate
+from .text import json_safe
 
 __all__ = ["main"]
 
@@ -78,13 +79,16 @@ def _positive_seconds(text: str) -> float:
 
 
 def _timeout(text: str) -> float | None:
-    """--timeout: seconds > 0, or ``none``/``inf`` for no budget (ChatTemplate's timeout=None)."""
-    if text.strip().lower() in ("none", "inf", "infinity"):
+    """--timeout: seconds > 0, or ``none`` (or an infinite number: ``inf``) for no budget
+    (ChatTemplate's timeout=None)."""
+    if text.strip().lower() == "none":
         return None
     try:
+        if float(text) == float("inf"):
+            return None
         return _positive_seconds(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError("must be a finite number of seconds > 0, or none") from None
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError("must be a number of seconds > 0, or none (or inf) for no budget") from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -763,8 +767,6 @@ def _load(args: argparse.Namespace, server_args: list[str]) -> Any:
 
 
 def _print_json(value: Any) -> None:
-    from .text import json_safe
-
     sys.stdout.write(json_safe(json.dumps(value, indent=2, ensure_ascii=False)) + "\n")
 
 
@@ -1095,7 +1097,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
             doc, mask=args.mask_dates, progress=False if args.no_progress else None, llama_cpp=args.llama_cpp
         )
         for line in result.describe():
-            print(line)
+            print(json_safe(line))  # (a prompt's bytes that are no UTF-8: U+FFFD in the report)
         print(
             f"{result.checked - len(result.differences)} of {result.checked} cases match "
             f"(fixtures from llama.cpp {doc.get('llama_cpp_commit')}, this build {LLAMA_CPP_COMMIT})"
@@ -1110,7 +1112,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         if args.format == "json":
             _print_json(report)
         else:
-            sys.stdout.write(fx.diff_markdown(report))
+            sys.stdout.write(json_safe(fx.diff_markdown(report)))
         return 0 if report["templates_agree"] == report["templates_total"] else 1
     # serve
     from .server import serve

@@ -227,8 +227,49 @@ def _shape_problem(doc: Mapping[str, Any]) -> str | None:
             return f'template "{name}" is not an object'
         if not isinstance(entry.get("chat_template"), str):
             return f'template "{name}" has no "chat_template" text'
+        problem = _entry_problem(entry)
+        if problem:
+            return f'template "{name}": {problem}'
         if not isinstance(entry.get("cases"), dict) or not all(isinstance(c, dict) for c in entry["cases"].values()):
             return f'template "{name}": "cases" is not an object of objects'
+        for rname, case in entry["cases"].items():
+            problem = _case_problem(case)
+            if problem:
+                return f'template "{name}", case "{rname}": {problem}'
+    return None
+
+
+def _entry_problem(entry: Mapping[str, Any]) -> str | None:
+    """What is wrong with a template entry's fields that check rebuilds it from, or None."""
+    caps = entry.get("caps")
+    if not (isinstance(caps, dict) and all(isinstance(v, bool) for v in caps.values())):
+        return '"caps" is not an object of true/false'
+    for key in ("bos_token", "eos_token", "media_marker"):
+        if key in entry and not isinstance(entry[key], str):
+            return f'"{key}" is not a string'
+    for key in ("add_bos", "add_eos"):
+        if key in entry and not isinstance(entry[key], bool):
+            return f'"{key}" is not true/false'
+    args = entry.get("server_args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        return '"server_args" is not a list of strings'
+    return None
+
+
+def _case_problem(case: Mapping[str, Any], no_prompt: bool = False) -> str | None:
+    """What keeps a case from being compared, or None: its "status" an int (``no_prompt``: or
+    null, OTHER's "renders no prompt"), with a "prompt" string for 200 and an "error" object, if
+    any, otherwise."""
+    status = case.get("status")
+    if status is None and no_prompt:
+        return None
+    if not isinstance(status, int) or isinstance(status, bool):
+        return f'"status" is {status!r}, not an HTTP status number'
+    if status == 200 and not isinstance(case.get("prompt"), str):
+        return 'status 200 without a "prompt" string'
+    error = case.get("error")
+    if status != 200 and error is not None and not isinstance(error, dict):
+        return '"error" is not an object'
     return None
 
 
@@ -357,12 +398,17 @@ def _other_cases(other: Mapping[str, Any], name: str = "OTHER") -> tuple[dict[st
         cases = {}
         for t, e in templates.items():
             if not isinstance(e, Mapping) or not isinstance(e.get("cases", {}), Mapping):
-                raise ValueError(
-                    f'{name}: template "{t}" is not an object with "cases" an object (fixtures.schema.json)'
-                )
-            cases[t] = {r: (c if isinstance(c, Mapping) else {"status": None}) for r, c in e.get("cases", {}).items()}
+                raise ValueError(f'{name}: template "{t}" is not an object with its "cases" an object')
+            cases[t] = {}
+            for r, c in e.get("cases", {}).items():
+                cases[t][r] = _other_case(c, f"{name}: template {t!r}, case {r!r}")
         caps = {t: e["caps"] for t, e in templates.items() if isinstance(e.get("caps"), dict)}
         return cases, caps
+    if "schema" in other or "schema_version" in other:
+        raise ValueError(
+            f'{name}: "schema" is {other.get("schema")!r}, not "{SCHEMA_ID}" '
+            "(nor is it a {template: {request: prompt}} map)"
+        )
     cases = {}
     for tname, reqs in other.items():
         if not isinstance(reqs, Mapping):
@@ -372,13 +418,24 @@ def _other_cases(other: Mapping[str, Any], name: str = "OTHER") -> tuple[dict[st
             if isinstance(value, str):
                 out[rname] = {"status": 200, "prompt": value}
             elif isinstance(value, Mapping):
-                out[rname] = dict(value)
+                out[rname] = _other_case(value, f"{name}: {tname}/{rname}")
             elif value is None:
                 out[rname] = {"status": None}
             else:
                 raise ValueError(f"{name}: {tname}/{rname}: expected a prompt string, null or a case object")
         cases[tname] = out
     return cases, {}
+
+
+def _other_case(case: Any, where: str) -> dict[str, Any]:
+    """An OTHER case as a dict (not an object: "no prompt"); ValueError ``where: ...`` if it
+    cannot be compared."""
+    if not isinstance(case, Mapping):
+        return {"status": None}
+    problem = _case_problem(case, no_prompt=True)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+    return dict(case)
 
 
 def load_other(path: str | os.PathLike[str], data: bytes | None = None) -> dict[str, Any]:

@@ -52,6 +52,8 @@ from .text import fspath, messages_list, request_body
 __all__ = ["UntrustedTemplate", "DEFAULT_TIMEOUT", "DEFAULT_MAX_OUTPUT_BYTES", "DEFAULT_MAX_MEMORY_BYTES"]
 
 DEFAULT_MAX_MEMORY_BYTES = 4 * 1024 * 1024 * 1024
+#: the least max_memory_bytes a worker can start and parse with
+MIN_MEMORY_BYTES = 512 * 1024 * 1024
 
 _ERRORS = {c.__name__: c for c in (Error, RequestError, TemplateError, ServerArgsError, GGUFError)}
 
@@ -399,9 +401,13 @@ class UntrustedTemplate:
                 f"max_output_bytes must be a positive int (the sandbox's output budget), not {max_output_bytes!r}"
             )
         if max_memory_bytes is not None and (
-            not _is_number(max_memory_bytes, numbers.Integral) or int(max_memory_bytes) <= 0
+            not _is_number(max_memory_bytes, numbers.Integral) or int(max_memory_bytes) < MIN_MEMORY_BYTES
         ):
-            raise ValueError(f"max_memory_bytes must be a positive int or None, not {max_memory_bytes!r}")
+            raise ValueError(
+                f"max_memory_bytes must be an int of at least {MIN_MEMORY_BYTES >> 20} MiB (the worker's interpreter "
+                f"and llama.cpp's code take ~160 MiB of address space, a parse's stack 256 MiB) or None, "
+                f"not {max_memory_bytes!r}"
+            )
         # the worker's ChatTemplate stops cooperatively at the same budgets (no restart);
         # killing the worker is the backstop for what cannot be interrupted. The options are
         # checked here (the caps names by the worker's core) and rebuilt there as they are.
@@ -409,7 +415,8 @@ class UntrustedTemplate:
         self._build = (*parts, opts, name)  # _restore's arguments (name: what the notices call it)
         self._timeout = float(timeout)
         self._max_output = int(max_output_bytes)
-        self._max_memory = max_memory_bytes
+        # (a plain int: pickled to the worker; past 2**62, which RLIMIT_AS cannot hold, no limit)
+        self._max_memory = None if max_memory_bytes is None else min(int(max_memory_bytes), 2**62)
         # reentrant: the worker's log records are logged while it is held (the answer already
         # read in full), and a logging handler may call this object again
         self._lock = threading.RLock()

@@ -738,7 +738,9 @@ class ChatTemplate:
         the main thread: Python runs signal handlers there only; a handler's ``Exception``
         raised inside Python's encoding of one request is that request's error). At most max(8, 4 x the CPU count)
         threads render (a render waits for nothing: more would only take memory). With hooks,
-        the requests go through :meth:`apply_template` on ``threads`` Python threads instead.
+        the requests go through :meth:`apply_template` on ``threads`` Python threads instead;
+        an interruption stops their renders in progress too, but waits for a hook that is running
+        (Python code on another thread cannot be interrupted).
 
         Args:
             requests: request bodies, as for :meth:`apply_template`.
