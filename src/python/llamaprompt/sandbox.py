@@ -322,7 +322,8 @@ class UntrustedTemplate:
     Args:
         timeout: seconds one call (and the initial load) may take (default 10).
         max_output_bytes: largest prompt accepted (default 64 MiB).
-        max_memory_bytes: the worker's address-space limit (default 4 GiB; None: no limit).
+        max_memory_bytes: the worker's address-space limit (default 4 GiB; at least 512 MiB;
+            None: no limit).
 
     ``caps``, ``detected_caps``, ``props()``, ``source``, ``tool_use_source``,
     ``supports_thinking``, ``apply_template()``, ``apply()`` and ``normalize()`` behave as
