@@ -339,16 +339,17 @@ class core_template {
             int status = 0;    // 0: a prompt; else the HTTP status (400 / 500)
             std::vector<log_record> logs;  // llama.cpp's log lines of this render (emitted in order)
         };
+        const size_t n = requests.size();
         std::vector<body_in> bodies;
-        std::vector<py::object> refused(requests.size());  // what `encode` raised (untouched without the GIL)
+        std::vector<py::object> refused(n);  // what `encode` raised (untouched without the GIL)
         std::vector<outcome> out;
         // their memory made (written, page by page: ~30 ms for 300,000) without the GIL, for a
         // batch large enough to keep the other Python threads waiting that long (and freed so, below)
         const auto make_room = [&]() {
-            bodies.resize(requests.size());
-            out.resize(requests.size());
+            bodies.resize(n);
+            out.resize(n);
         };
-        if (requests.size() >= 4096) {
+        if (n >= 4096) {
             without_gil(make_room);
         } else {
             make_room();
