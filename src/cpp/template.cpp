@@ -340,6 +340,9 @@ class core_template {
             std::vector<log_record> logs;  // llama.cpp's log lines of this render (emitted in order)
         };
         const size_t n = requests.size();
+        // a batch this large makes and frees its memory without the GIL (the pages written or given
+        // back would keep the other Python threads waiting: ~30 ms each way for 300,000)
+        constexpr size_t large_batch = 4096;
         std::vector<body_in> bodies;
         std::vector<py::object> refused(n);  // what `encode` raised (untouched without the GIL)
         std::vector<outcome> out;
@@ -349,7 +352,7 @@ class core_template {
             bodies.resize(n);
             out.resize(n);
         };
-        if (n >= 4096) {
+        if (n >= large_batch) {
             without_gil(make_room);
         } else {
             make_room();
@@ -531,7 +534,7 @@ class core_template {
         }
         // a large batch's prompts and slots freed without the GIL (and glibc's merge of the freed
         // chunks that a large free starts: ~20 ms for 300,000, with the GIL held at the return)
-        if (out.size() >= 4096) {
+        if (n >= large_batch) {
             without_gil([&]() {
                 std::vector<outcome>().swap(out);
                 std::vector<body_in>().swap(bodies);
