@@ -186,6 +186,25 @@ def test_normalize_without_a_file_takes_the_sample(tmp_path):
     assert out[0]["content"] == SAMPLE_REQUEST["messages"][0]["content"]
 
 
+def test_builtin_templates_without_a_request_take_the_sample_without_tools():
+    # llama.cpp's legacy path refuses tools ("tools param requires --jinja flag"), so --builtin
+    # renders the plain sample; chatml's layout from reading llama-chat.cpp (LLM_CHAT_TEMPLATE_CHATML):
+    # "<|im_start|>" role "\n" content "<|im_end|>\n" per message, then the assistant's header
+    from llamaprompt.samples import PLAIN_SAMPLE_REQUEST
+
+    messages = PLAIN_SAMPLE_REQUEST["messages"]
+    proc = run("render", "--builtin", "chatml")
+    assert proc.returncode == 0, proc.stderr
+    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    assert proc.stdout.decode() == expected + "<|im_start|>assistant\n"
+    for name in ("llama2", "gemma"):
+        proc = run("render", "--builtin", name)
+        assert proc.returncode == 0 and messages[-1]["content"].encode() in proc.stdout, proc.stderr
+    proc = run("normalize", "--builtin", "llama2")
+    assert proc.returncode == 0, proc.stderr
+    assert [(m["role"], m["content"]) for m in json.loads(proc.stdout)] == [(m["role"], m["content"]) for m in messages]
+
+
 def test_normalize_bodies_llama_cpp_rejects(tmp_path):
     t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
     for body in ('"x"', '{"messages": null}'):

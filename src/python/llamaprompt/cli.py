@@ -44,7 +44,7 @@ from .gguf import gguf_metadata
 from .options import DEFAULT_MEDIA_MARKER, DEFAULT_TIMEOUT
 from .options import media_kinds as _media
 from .pinned import DEFAULT_TEMPLATE, pinned_template, pinned_templates
-from .samples import SAMPLE_REQUEST
+from .samples import PLAIN_SAMPLE_REQUEST, SAMPLE_REQUEST
 from .template import ChatTemplate
 from .text import json_safe
 
@@ -208,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
         help="print the prompt POST /apply-template returns (exact bytes)",
         description="Print the prompt llama-server's POST /apply-template returns for a request "
         "body, byte for byte, with no trailing newline added. With no request, "
-        "renders a built-in sample (system, tools, a tool call and its result).",
+        "renders a built-in sample (system, tools, a tool call and its result; with --builtin, "
+        "whose templates llama.cpp gives no tools, a system, user, assistant, user chat).",
     )
     _template_options(p)
     p.add_argument(
@@ -700,6 +701,14 @@ def _file_tokens(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _sample_request(template: Any) -> dict[str, Any]:
+    """The built-in sample request for ``template``: SAMPLE_REQUEST (with tools), or
+    PLAIN_SAMPLE_REQUEST for a built-in non-Jinja template, which llama.cpp's legacy path refuses
+    tools ("tools param requires --jinja flag"). A sandboxed template is always Jinja."""
+    core = getattr(template, "_core", None)
+    return SAMPLE_REQUEST if core is None or core.use_jinja() else PLAIN_SAMPLE_REQUEST
+
+
 def _load(args: argparse.Namespace, server_args: list[str]) -> Any:
     if args.pinned is not None:
         if args.template:
@@ -824,7 +833,7 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
         template = _load(args, server_args)
         if args.command == "render":
             # the body goes to llama.cpp as bytes, parsed there as llama-server parses it
-            request = SAMPLE_REQUEST if args.request is None else _read_bytes(args.request)
+            request = _sample_request(template) if args.request is None else _read_bytes(args.request)
             if args.params:
                 params = template.apply(request)
                 _print_json({k: v for k, v in vars(params).items() if not k.startswith("_")})
@@ -874,7 +883,9 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
         elif args.command == "props":
             _print_json(template.props())
         elif args.command == "inputs":
-            result = template.template_inputs(SAMPLE_REQUEST if args.request is None else _read_bytes(args.request))
+            result = template.template_inputs(
+                _sample_request(template) if args.request is None else _read_bytes(args.request)
+            )
             if args.context_only and result["context"] is None:
                 print(
                     "llamaprompt: no render is the prompt (a handler rewrote the text); drop --context-only "
@@ -891,7 +902,7 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
             sys.stdout.flush()
         elif args.command == "normalize":
-            data = SAMPLE_REQUEST if args.messages is None else _read_json(args.messages)
+            data = _sample_request(template) if args.messages is None else _read_json(args.messages)
             if not isinstance(data, (dict, list)):
                 template.apply_template(json.dumps(data))  # llama.cpp's own refusal of such a body
             if isinstance(data, dict):
