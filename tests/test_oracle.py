@@ -167,6 +167,11 @@ def test_diff_refuses_an_other_file_it_cannot_read(tmp_path, few_doc):
         "no_prompt": (lambda d: d["templates"][name]["cases"].update(x={"status": 200}), 'without a "prompt"'),
         "status_text": (lambda d: d["templates"][name]["cases"].update(x={"status": "200", "prompt": ""}), '"status"'),
         "schema_missing": (lambda d: d.pop("schema"), '"schema" is None'),
+        # a case object without its status, or a case that is a number (the build before took
+        # both as "no prompt", silently: a prompt it held was never compared)
+        "no_status": (lambda d: d["templates"][name]["cases"].update(x={"prompt": "p"}), 'needs its "status"'),
+        "case_number": (lambda d: d["templates"][name]["cases"].update(x=5), "expected a prompt string, null"),
+        "minimal_no_status": (lambda d: d.clear() or d.update(a={"b": {"prompt": "p"}}), 'a/b: a case object needs'),
     }
     for label, (mutate, says) in mutants.items():
         doc: object = copy.deepcopy(few_doc)

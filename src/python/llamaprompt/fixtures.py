@@ -399,9 +399,7 @@ def _other_cases(other: Mapping[str, Any], name: str = "OTHER") -> tuple[dict[st
         for t, e in templates.items():
             if not isinstance(e, Mapping) or not isinstance(e.get("cases", {}), Mapping):
                 raise ValueError(f'{name}: template "{t}" is not an object with its "cases" an object')
-            cases[t] = {}
-            for r, c in e.get("cases", {}).items():
-                cases[t][r] = _other_case(c, f"{name}: template {t!r}, case {r!r}")
+            cases[t] = {r: _other_case(c, f"{name}: template {t!r}, case {r!r}") for r, c in e.get("cases", {}).items()}
         caps = {t: e["caps"] for t, e in templates.items() if isinstance(e.get("caps"), dict)}
         return cases, caps
     if "schema" in other or "schema_version" in other:
@@ -413,29 +411,27 @@ def _other_cases(other: Mapping[str, Any], name: str = "OTHER") -> tuple[dict[st
     for tname, reqs in other.items():
         if not isinstance(reqs, Mapping):
             raise ValueError(f"{name}: template {tname!r} must map request names to prompts")
-        out: dict[str, Any] = {}
-        for rname, value in reqs.items():
-            if isinstance(value, str):
-                out[rname] = {"status": 200, "prompt": value}
-            elif isinstance(value, Mapping):
-                out[rname] = _other_case(value, f"{name}: {tname}/{rname}")
-            elif value is None:
-                out[rname] = {"status": None}
-            else:
-                raise ValueError(f"{name}: {tname}/{rname}: expected a prompt string, null or a case object")
-        cases[tname] = out
+        cases[tname] = {r: _other_case(v, f"{name}: {tname}/{r}") for r, v in reqs.items()}
     return cases, {}
 
 
-def _other_case(case: Any, where: str) -> dict[str, Any]:
-    """An OTHER case as a dict (not an object: "no prompt"); ValueError ``where: ...`` if it
-    cannot be compared."""
-    if not isinstance(case, Mapping):
+def _other_case(value: Any, where: str) -> dict[str, Any]:
+    """An OTHER case as a case dict: a prompt string (status 200), null ("no prompt": status None)
+    or a case object with its "status". Raises ValueError ``where: ...`` for anything else, or a
+    case object that cannot be compared (no "status": its prompt would be silently taken as
+    "no prompt")."""
+    if isinstance(value, str):
+        return {"status": 200, "prompt": value}
+    if value is None:
         return {"status": None}
-    problem = _case_problem(case, no_prompt=True)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a prompt string, null or a case object")
+    if "status" not in value:
+        raise ValueError(f'{where}: a case object needs its "status" (200 with a "prompt", or an error\'s)')
+    problem = _case_problem(value, no_prompt=True)
     if problem:
         raise ValueError(f"{where}: {problem}")
-    return dict(case)
+    return dict(value)
 
 
 def load_other(path: str | os.PathLike[str], data: bytes | None = None) -> dict[str, Any]:
