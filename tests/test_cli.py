@@ -263,3 +263,22 @@ def test_ctrl_c_prints_one_line_and_exits_130():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 130
     assert proc.stderr == "llamaprompt: interrupted\n"
+
+
+def test_every_command_option_and_argument_has_help():
+    # `llamaprompt CMD --help` explains every option and positional argument (the build before:
+    # serve's and fixtures' --media-marker, render-dataset's --output, check's and diff's files,
+    # diff's --format and cores' ACTION had none)
+    import argparse
+
+    def missing(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                if action.help is None and path:
+                    yield f"{path} {action.metavar or action.dest}"
+                for name, sub in action.choices.items():
+                    yield from missing(sub, f"{path} {name}".strip())
+            elif action.help is None:
+                yield f"{path} {'/'.join(action.option_strings) or action.dest}"
+
+    assert list(missing(_parser(), "")) == []

@@ -152,12 +152,7 @@ def _template_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eos-token", default="", metavar="S", help="EOS token text (default: empty)")
     g.add_argument("--add-bos", action="store_true", help="the vocab adds BOS: strip one leading BOS from the prompt")
     g.add_argument("--add-eos", action="store_true", help="the vocab adds EOS: strip one trailing EOS from the prompt")
-    g.add_argument(
-        "--media-marker",
-        default=DEFAULT_MEDIA_MARKER,
-        metavar="S",
-        help=f"text that media parts become (default: {DEFAULT_MEDIA_MARKER})",
-    )
+    _media_marker_option(g)
     g.add_argument(
         "--builtin",
         metavar="NAME",
@@ -187,6 +182,16 @@ def _template_options(p: argparse.ArgumentParser) -> None:
         "none: no budget); past it the call fails with a TemplateError carrying llama.cpp's source excerpt",
     )
     _core_and_media_options(g)
+
+
+def _media_marker_option(g: Any) -> None:
+    """--media-marker, as llama-server's LLAMA_MEDIA_MARKER (what an image or audio part becomes)."""
+    g.add_argument(
+        "--media-marker",
+        default=DEFAULT_MEDIA_MARKER,
+        metavar="S",
+        help=f"text that media parts become (default: {DEFAULT_MEDIA_MARKER})",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -317,7 +322,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _template_options(p)
     p.add_argument("input", metavar="IN", help="input .jsonl or .parquet file")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.parquet")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.parquet", help="Parquet file to write")
     p.add_argument("--tokens", action="store_true", help="add prompt tokens (needs --gguf)")
     p.add_argument("--workers", type=_positive, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--batch-rows", type=int, default=2048, metavar="N", help="rows per batch (default 2048)")
@@ -372,7 +377,7 @@ def _parser() -> argparse.ArgumentParser:
             "(e.g. Qwen-Qwen3-0.6B.jinja), or all of them",
         )
         _file_token_options(g)
-        g.add_argument("--media-marker", default=DEFAULT_MEDIA_MARKER, metavar="S")
+        _media_marker_option(g)
         g.add_argument(
             "--server-arg",
             action="append",
@@ -403,7 +408,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("check", help="re-render a fixtures file and report the cases that differ (exit 1)")
-    p.add_argument("fixtures", metavar="FIXTURES.json")
+    p.add_argument("fixtures", metavar="FIXTURES.json", help="fixtures file (llamaprompt fixtures, docs/fixtures.md)")
     p.add_argument("--mask-dates", action="store_true", help="compare with dates printed by templates masked")
     p.add_argument("--llama-cpp", metavar="VERSION", help="re-render with the core built for this llama.cpp")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -415,9 +420,11 @@ def _parser() -> argparse.ArgumentParser:
         '{"template": {"request": "prompt"}} map. Prints how many templates agree, caps side by side '
         "where OTHER has them, and each difference with its first differing offset and context.",
     )
-    p.add_argument("reference", metavar="REFERENCE.json")
-    p.add_argument("other", metavar="OTHER.json")
-    p.add_argument("--format", choices=("markdown", "json"), default="markdown")
+    p.add_argument("reference", metavar="REFERENCE.json", help="reference fixtures file (llamaprompt fixtures)")
+    p.add_argument("other", metavar="OTHER.json", help="the other renderer's prompts (fixtures file or map)")
+    p.add_argument(
+        "--format", choices=("markdown", "json"), default="markdown", help="report format (default: markdown)"
+    )
     p.add_argument("--mask-dates", action="store_true", help="compare with dates masked")
     p.add_argument("--context", type=int, default=30, metavar="N", help="characters of context (default 30)")
     p.add_argument(
@@ -436,7 +443,7 @@ def _parser() -> argparse.ArgumentParser:
         "incremental afterwards), and every command's --llama-cpp VERSION (ChatTemplate(llama_cpp=...)) then "
         "renders with it, in a worker process.",
     )
-    csub = p.add_subparsers(dest="cores_command", required=True, metavar="ACTION")
+    csub = p.add_subparsers(dest="cores_command", required=True, metavar="ACTION", help="add, list or remove")
     c = csub.add_parser("add", help="build a core for a llama-cpp-python version's tree, or a llama.cpp folder")
     c.add_argument("version", nargs="?", metavar="VERSION", help="llama-cpp-python version, e.g. 0.3.33")
     c.add_argument("--llama-cpp-dir", metavar="DIR", help="a llama.cpp source tree instead of a version")
@@ -452,7 +459,7 @@ def _parser() -> argparse.ArgumentParser:
     c = csub.add_parser("list", help="the built-in core and the installed ones: commit, date, features, size")
     c.add_argument("--json", action="store_true", help="print JSON")
     c = csub.add_parser("remove", help="delete an installed core")
-    c.add_argument("name", metavar="VERSION|COMMIT")
+    c.add_argument("name", metavar="VERSION|COMMIT", help="an installed core's version or commit (cores list)")
 
     p = sub.add_parser(
         "diff-versions",
