@@ -282,3 +282,25 @@ def test_every_command_option_and_argument_has_help():
                 yield f"{path} {'/'.join(action.option_strings) or action.dest}"
 
     assert list(missing(_parser(), "")) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["render", "-t", ""],
+        ["render", "--template="],
+        ["render", "--gguf", ""],
+        ["render", "--builtin", ""],
+        ["caps", "-t", ""],
+        ["render", "--pinned", ""],
+        ["serve", "-t", ""],
+        ["fixtures", "--pinned", "", "-o", "out.json"],
+        ["render", ""],
+    ],
+)
+def test_an_empty_file_or_template_name_is_refused(argv):
+    # `-t "$UNSET"`: the build before took the empty name as absent and rendered with the default
+    # template (exit 0, a prompt of another template), or said "Is a directory: '.'"
+    proc = run(*argv)
+    assert proc.returncode == 2 and not proc.stdout, proc.stdout[-300:]
+    assert proc.stderr.decode().splitlines()[-1].endswith(": an empty name names no file or template")

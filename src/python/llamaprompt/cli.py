@@ -797,6 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        _refuse_empty_names(parser, args)
         return _run(args, server_args)
     except KeyboardInterrupt:  # Ctrl-C: one line, and the shell's status for SIGINT
         print("llamaprompt: interrupted", file=sys.stderr)
@@ -806,6 +807,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         sub.choices.get(args.command, parser).error(str(e))
         raise  # not reached
+
+
+def _names_a_file(action: argparse.Action) -> bool:
+    """Whether ``action``'s value names a file, a folder or a template (its metavar says so)."""
+    metavar = action.metavar if isinstance(action.metavar, str) else ""
+    return metavar in ("FILE", "DIR", "NAME", "IN") or metavar.endswith((".json", ".txt", ".parquet", ".png"))
+
+
+def _refuse_empty_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Raise UsageError for an empty file, folder or template name (``-t "$UNSET"``): taken as
+    absent it would render with the default template instead."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = sub.choices.get(args.command)
+    actions = [] if command is None else list(command._actions)
+    for action in actions:
+        if isinstance(action, argparse._SubParsersAction):  # cores' ACTION
+            nested = action.choices.get(getattr(args, action.dest, None) or "")
+            actions += [] if nested is None else nested._actions
+        value = getattr(args, action.dest, None)
+        if _names_a_file(action) and (value == "" or (isinstance(value, list) and "" in value)):
+            name = "/".join(action.option_strings) or str(action.metavar)
+            raise UsageError(f"{name}: an empty name names no file or template")
 
 
 def _run(args: argparse.Namespace, server_args: list[str]) -> int:
