@@ -307,10 +307,10 @@ def test_a_handler_of_the_workers_records_may_call_the_template_again():
             if not rendered:
                 rendered.append(u.apply_template(REQ))
 
+    u = UntrustedTemplate(source)
     log = logging.getLogger("llamaprompt")
     handler = Again()
-    log.addHandler(handler)
-    u = UntrustedTemplate(source)
+    log.addHandler(handler)  # (after the load: a load that raises must not leave it to the next tests)
     try:
         done = []
         thread = threading.Thread(
