@@ -304,3 +304,12 @@ def test_an_empty_file_or_template_name_is_refused(argv):
     proc = run(*argv)
     assert proc.returncode == 2 and not proc.stdout, proc.stdout[-300:]
     assert proc.stderr.decode().splitlines()[-1].endswith(": an empty name names no file or template")
+
+
+def test_serve_refuses_a_port_or_body_limit_out_of_range():
+    # argparse's one line, exit 2 (the build before: uvicorn's OverflowError traceback for the
+    # port; a negative body limit answered every request with 413)
+    for args in (["--port", "99999"], ["--port", "-5"], ["--max-body-bytes", "-1"], ["--max-body-bytes", "0"]):
+        proc = run("serve", "--pinned", *args)
+        assert proc.returncode == 2 and b"Traceback" not in proc.stderr, proc.stderr[-500:]
+        assert f"argument {args[0]}: must be".encode() in proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -117,6 +118,16 @@ def test_a_budget_the_worker_cannot_keep_is_refused(budget, says):
     # 'NoneType' and 'int'" for timeout=None, int()'s TypeError for max_output_bytes=None)
     with pytest.raises(ValueError, match=says):
         UntrustedTemplate("{{ messages[0]['content'] }}!", **budget)
+
+
+@pytest.mark.parametrize("source", [None, 5, ["{{ 1 }}"], pathlib.Path("t.jinja")])
+def test_a_source_that_is_no_text_is_a_type_error(source):
+    # as ChatTemplate refuses it, before a worker starts (the trial of session 55: None gave
+    # "TemplateError: AssertionError: " from the worker, status 500)
+    with pytest.raises(TypeError, match="from_file" if isinstance(source, pathlib.Path) else "must be str or bytes"):
+        UntrustedTemplate(source)
+    with pytest.raises(TypeError, match="from_file" if isinstance(source, pathlib.Path) else "must be str or bytes"):
+        llamaprompt.ChatTemplate(source)
 
 
 def test_a_memory_budget_past_what_rlimit_holds_is_no_limit():

@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,21 @@ def _timeout(text: str) -> float | None:
         return _positive_seconds(text)
     except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError("must be a number of seconds > 0, or none (or inf) for no budget") from None
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"must be {low}..{high}" if high is not None else f"must be >= {low}")
+        return n
+
+    return parse
 
 
 def _non_negative_int(text: str) -> int:
@@ -557,7 +572,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _multi_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=_int_in(1, 65535), default=8080, help="port (default 8080)")
     p.add_argument(
         "--untrusted",
         action="store_true",
@@ -572,7 +587,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_int_in(1),
         default=16 * 1024 * 1024,
         metavar="N",
         help="refuse larger request bodies with 413 (default 16 MiB)",

@@ -123,7 +123,12 @@ def _relay(records: list[_Record]) -> None:
 
 def _source_parts(source: str | bytes, options: dict[str, Any]) -> tuple[Any, ...]:
     """(source, gguf_path, tokens) for a template given as text, the token options taken out of
-    ``options``."""
+    ``options``. Raises TypeError for a source that is no text (as ChatTemplate does, before a
+    worker is started)."""
+    if isinstance(source, os.PathLike):
+        raise TypeError("source is the template text; to load a template file use UntrustedTemplate.from_file(path)")
+    if not isinstance(source, (str, bytes)):
+        raise TypeError(f"source must be str or bytes, not {type(source).__name__}")
     tokens = tuple(
         options.pop(k, d) for k, d in (("bos_token", ""), ("eos_token", ""), ("add_bos", False), ("add_eos", False))
     )
