@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -125,6 +126,23 @@ def test_builtin_matches_llama_chat_apply_template(name):
     assert t.apply_template({"messages": msgs}) == llamaprompt.llama_chat_apply_template(name, msgs, True)
     req = {"messages": msgs[:2], "add_generation_prompt": False}
     assert t.apply_template(req) == llamaprompt.llama_chat_apply_template(name, msgs[:2], False)
+
+
+@pytest.mark.parametrize(
+    "messages, says",
+    [
+        ([{"role": "user", "content": None}], "message 0: 'content' must be a str, not a NoneType"),
+        ([{"role": "user", "content": ["a"]}], "message 0: 'content' must be a str, not a list"),
+        ([{"role": 5, "content": "x"}], "message 0: 'role' must be a str, not a int"),
+        ([{"role": "user", "content": "x"}, {"role": "user"}], "message 1: 'content' must be a str, not missing"),
+        (["user: x"], "message 0 must be a mapping"),
+    ],
+)
+def test_llama_chat_apply_template_refuses_what_is_no_text(messages, says):
+    # the C function takes two C strings per message; the build before rendered str() of them
+    # ("[INST] None [/INST]", a list's repr, a role 5 as an assistant turn) or raised KeyError
+    with pytest.raises(TypeError, match=re.escape(says)):
+        llamaprompt.llama_chat_apply_template("llama2", messages)
 
 
 def test_builtin_errors():
