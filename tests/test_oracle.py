@@ -216,6 +216,9 @@ def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
         "server_args_text": lambda d: d["templates"][name].update(server_args="x"),
         "error_number": lambda d: d["templates"][name]["cases"].update(x={"status": 500, "error": 5}),
         "prompt_null": lambda d: d["templates"][name]["cases"].update(x={"status": 200, "prompt": None}),
+        # a case whose request is not in "requests" (the trial of session 55: "KeyError: 'x'",
+        # not naming the file)
+        "no_request": lambda d: d["templates"][name]["cases"].update(x={"status": 200, "prompt": "p"}),
     }
     for label, mutate in mutants.items():
         doc = copy.deepcopy(few_doc)

@@ -236,6 +236,8 @@ def _shape_problem(doc: Mapping[str, Any]) -> str | None:
             problem = _case_problem(case)
             if problem:
                 return f'template "{name}", case "{rname}": {problem}'
+            if rname not in doc["requests"]:
+                return f'template "{name}", case "{rname}": no request of that name in "requests"'
     return None
 
 
