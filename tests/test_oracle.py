@@ -521,3 +521,20 @@ def test_fixtures_cli_non_utf8_and_same_named_failures(tmp_path):
     bad.write_text('{"x": 5}')
     proc = subprocess.run([*CLI, "fixtures", "--templates", str(a), "--requests", str(bad), "-o", str(out)])
     assert proc.returncode == 2 and json.loads(out.read_text(encoding="utf-8")) == doc
+
+
+def test_check_agrees_with_its_own_recording_of_a_prompt_that_is_no_utf8(tmp_path):
+    # slicing "é" (two bytes) by byte gives a prompt of one byte that is no UTF-8: the fixtures
+    # file holds U+FFFD for it (as llama-server's JSON does), and check compares the re-rendered
+    # prompt as the file holds it (the trial of session 55: "0 of 1 cases match")
+    t = llamaprompt.ChatTemplate("{{ messages[0].content[1:2] }}")
+    request = {"messages": [{"role": "user", "content": "h\u00e9llo"}]}
+    assert t.apply_template(request).encode("utf-8", "surrogateescape") == "\u00e9".encode()[:1]
+    path = tmp_path / "fx.json"
+    fx.write_fixtures(fx.render_fixtures({"slice": t}, {"r": request}, progress=False), path)
+    doc = fx.load_fixtures(path)
+    assert doc["templates"]["slice"]["cases"]["r"]["prompt"] == "\ufffd"
+    result = fx.check_fixtures(doc, progress=False)
+    assert result.checked == 1 and result.ok, result.describe()
+    doc["templates"]["slice"]["cases"]["r"]["prompt"] = "?"  # and a recording that differs still differs
+    assert not fx.check_fixtures(doc, progress=False).ok

@@ -21,6 +21,7 @@ from . import LLAMA_CPP_COMMIT, LLAMA_CPP_SOURCE, __version__
 from .errors import Error
 from .options import DEFAULT_MEDIA_MARKER
 from .template import ChatTemplate
+from .text import json_safe
 
 __all__ = [
     "SCHEMA_ID",
@@ -172,8 +173,6 @@ def write_fixtures(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None
     """Write a fixtures document as UTF-8 JSON (2-space indent, non-ASCII kept; bytes that are
     not UTF-8, e.g. of a template file in another encoding, become U+FFFD as in llama-server's
     JSON). The file appears complete or not at all (written next to it, then renamed)."""
-    from .text import json_safe
-
     text = json_safe(json.dumps(doc, indent=2, ensure_ascii=False))
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -345,12 +344,16 @@ class CheckResult:
 
 
 def _same(a: Mapping[str, Any], b: Mapping[str, Any], masked: bool) -> bool:
+    """Whether two cases agree: status, then the prompt or the error's message, each as a
+    fixtures file holds it (bytes that are not UTF-8 as U+FFFD: write_fixtures, llama-server's
+    JSON), so that a case re-rendered agrees with its own recording."""
     if a.get("status") != b.get("status"):
         return False
     if a.get("status") == 200:
-        pa, pb = a.get("prompt", ""), b.get("prompt", "")
+        pa, pb = json_safe(a.get("prompt", "")), json_safe(b.get("prompt", ""))
         return (mask_dates(pa) == mask_dates(pb)) if masked else pa == pb
-    return (a.get("error") or {}).get("message") == (b.get("error") or {}).get("message")
+    ma, mb = ((c.get("error") or {}).get("message") for c in (a, b))
+    return (json_safe(ma) if isinstance(ma, str) else ma) == (json_safe(mb) if isinstance(mb, str) else mb)
 
 
 def check_fixtures(
