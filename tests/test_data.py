@@ -303,6 +303,28 @@ def test_actor_cpus_leave_room_for_reading():
         actor_cpus(0, 2)
 
 
+def test_a_row_with_a_lone_surrogate_is_an_error_row(tmp_path):
+    # "\ud800" is valid JSON but no UTF-8: that row fails with llama.cpp's message, as the same
+    # request through apply_template does, and the others render (the trial of session 55: a
+    # UnicodeEncodeError for the whole file, no output written)
+    t = llamaprompt.ChatTemplate("{{ messages[0].content }}")
+    bad = {"messages": [{"role": "user", "content": "a\ud800"}]}
+    with pytest.raises(llamaprompt.Error) as info:
+        t.apply_template(bad)
+    rows = [{"messages": [{"role": "user", "content": "ok \u00e9"}]}, bad]
+    table = data.render_table(t, rows)
+    assert table.column("prompt").to_pylist() == ["ok \u00e9", None]
+    assert table.column("error").to_pylist() == [None, info.value.message]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="ascii")
+    done = data.render_file(t, str(src), str(tmp_path / "out.parquet"), progress=False)
+    assert (done.rows, done.failed) == (2, 1)
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column("prompt").to_pylist() == ["ok \u00e9", None]
+    assert out.column("error").to_pylist() == [None, info.value.message]
+    assert "\u00e9" in out.column("messages").to_pylist()[0]  # non-ASCII text kept as it is
+
+
 def test_training_rows_end_with_a_closed_turn():
     """Fine-tuning text: no generation prompt, a final assistant turn closed -- llama-server's
     rendering under --no-prefill-assistant (the recorded no_generation_prompt case), where the

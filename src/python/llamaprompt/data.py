@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from .errors import Error
 from .template import ChatTemplate, map_on_threads
+from .text import json_safe
 
 __all__ = [
     "render_table",
@@ -91,14 +92,34 @@ def _arrow_ok(pa: Any, values: list[Any]) -> bool:
     try:
         pa.array(values)
         return True
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
+    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeEncodeError):
         return False
 
 
 def _json_text(v: Any) -> str | None:
+    """A cell as Arrow text: nested values as JSON text (with ``\\u`` escapes when it holds a
+    lone surrogate, which UTF-8 cannot carry: llama.cpp's JSON parser then refuses that row, as
+    llama-server refuses such a body), text as it is (a lone surrogate as U+FFFD)."""
     if v is None or (isinstance(v, float) and v != v):  # None, or pandas' NaN for a missing cell
         return None
-    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+    if not isinstance(v, str):
+        return _json_dump(v)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return json_safe(v)
+    return v
+
+
+def _json_dump(v: Any) -> str:
+    """``v`` as JSON text that UTF-8 (and so Arrow) can carry: non-ASCII kept, unless ``v``
+    holds a lone surrogate, which is then written as a ``\\u`` escape."""
+    text = json.dumps(v, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(v)
+    return text
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -290,7 +311,7 @@ def _iter_input(path: str, batch_rows: int) -> Iterator[Any]:
                 continue
             try:
                 rec = json.loads(line)
-                messages = json.dumps(rec.get("messages"), ensure_ascii=False) if isinstance(rec, dict) else None
+                messages = _json_dump(rec.get("messages")) if isinstance(rec, dict) else None
                 tools = rec.get("tools") if isinstance(rec, dict) else None
                 kw = rec.get("chat_template_kwargs") if isinstance(rec, dict) else None
             except ValueError:
@@ -300,8 +321,8 @@ def _iter_input(path: str, batch_rows: int) -> Iterator[Any]:
                 {
                     "record": line.decode("utf-8", "replace").rstrip("\n"),
                     "messages": messages,
-                    "tools": json.dumps(tools, ensure_ascii=False) if tools is not None else None,
-                    "chat_template_kwargs": json.dumps(kw, ensure_ascii=False) if kw is not None else None,
+                    "tools": _json_dump(tools) if tools is not None else None,
+                    "chat_template_kwargs": _json_dump(kw) if kw is not None else None,
                 }
             )
             if len(rows) >= batch_rows:
