@@ -416,6 +416,53 @@ def test_server_tokenize(server):
     assert status == 501
 
 
+def test_server_tokenize_reads_bodies_as_llama_server(server):
+    # llama-server's post_tokenize / post_detokenize (server-context.cpp): flags of the wrong type
+    # take their defaults (json_value), content may mix strings and ids (tokenize_mixed: BOS only
+    # for a first string), a body that is no object has no content, nlohmann's exceptions are
+    # 500s with its message; each checked against the pinned tree's llama-server in session 55
+    # (the build before: BOS added for "add_special": "false", 400 for mixed content, 500 for [1],
+    # 400 for bad tokens, a lone surrogate tokenized)
+    t = llamaprompt.ChatTemplate.from_gguf(vocab_gguf("ggml-vocab-phi-3.gguf"))
+    hi = t.tokenize("hi", add_special=False).tolist()
+    bos = t.tokenize("", add_special=True).tolist()
+    assert len(bos) == 1
+
+    def tok(body=None, raw=None):
+        return _http(f"{server}/tokenize?model=phi3.gguf", body, raw)
+
+    for flag in ("false", 1, None, [True]):
+        assert tok({"content": "hi", "add_special": flag}) == (200, {"tokens": hi})
+    assert tok({"content": "hi", "add_special": True}) == (200, {"tokens": bos + hi})
+    assert tok({"content": "hi", "with_pieces": "no"}) == (200, {"tokens": hi})
+    assert tok({"content": [5, "hi"], "add_special": True}) == (200, {"tokens": [5, *hi]})
+    assert tok({"content": ["hi", 5, "hi"], "add_special": True}) == (200, {"tokens": bos + hi + [5] + hi})
+    assert tok({"content": [True, 2.7]}) == (200, {"tokens": [1, 2]})
+    for body in ([1], "x", {}):
+        assert tok(body) == (200, {"tokens": []})
+    for content, says in ((5, "string, but is number"), (None, "string, but is null"), ([None], "number, but is null")):
+        status, err = tok({"content": content})
+        assert status == 500 and err["error"]["message"] == f"[json.exception.type_error.302] type must be {says}"
+    for raw in (b'{"content": "\\ud800"}', b'{"content": NaN}', b"{bad"):
+        status, err = tok(raw=raw)
+        assert status == 500 and err["error"]["message"].startswith("[json.exception.parse_error.101] parse error")
+
+    def detok(body):
+        return _http(f"{server}/detokenize?model=phi3.gguf", body)
+
+    assert detok([1]) == detok({}) == (200, {"content": ""})
+    assert detok({"tokens": [*hi, 2.7]}) == detok({"tokens": [*hi, 2]})
+    n = t.vocab_size
+    for bad, shown in ((n, n), (-1, 2**64 - 1)):
+        status, err = detok({"tokens": [*hi, bad]})
+        assert status == 500 and err["error"]["message"] == (
+            f"vector::_M_range_check: __n (which is {shown}) >= this->size() (which is {n})"
+        )
+    for tokens, says in ((None, "array, but is null"), (["a"], "number, but is string")):
+        status, err = detok({"tokens": tokens})
+        assert status == 500 and err["error"]["message"] == f"[json.exception.type_error.302] type must be {says}"
+
+
 def test_new_user_findings(tmp_path, few_doc, server):
     # a null case in a schema-form OTHER means "my renderer rejects it"
     other = copy.deepcopy(few_doc)

@@ -62,6 +62,59 @@ def _error(status: int, message: str, kind: str | None = None):
     return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
 
 
+def _json_type(value: Any) -> str:
+    """nlohmann::json's type_name() of a parsed JSON value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "discarded")
+
+
+def _json_value(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    """llama-server's ``json_value(body, key, default)`` for a bool: the value when it is a JSON
+    boolean, else (missing, null, another type: "Wrong type supplied") the default."""
+    value = body.get(key)
+    return value if isinstance(value, bool) else default
+
+
+def _json_int(value: Any) -> int:
+    """nlohmann's ``get<llama_token>()``: a number (a float truncated) or a boolean as 0/1; an
+    Error (500, nlohmann's message) for anything else."""
+    if isinstance(value, (bool, int)):
+        return int(value)
+    if isinstance(value, float) and value == value and abs(value) < 2**31:
+        return int(value)
+    if isinstance(value, float):
+        raise Error(f"token id {value!r} is not a 32-bit integer", 500)
+    raise Error(f"[json.exception.type_error.302] type must be number, but is {_json_type(value)}", 500)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON")
+
+
+def _parsed_as_llama_server(t: ChatTemplate, raw: bytes, parsed: Any) -> None:
+    """Raise llama-server's 500 with its JSON parser's message (nlohmann's, taken from llama.cpp's
+    parse of ``raw``) for a body that parser refuses and Python's may not: not JSON at all,
+    NaN/Infinity, a lone surrogate escape."""
+    bad = parsed is None and raw.strip() != b"null"
+    if not bad:
+        try:
+            json.loads(raw, parse_constant=_refuse_constant)
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+        except (ValueError, UnicodeEncodeError):
+            bad = True
+    if bad:
+        try:
+            t.apply_template(raw)
+        except Error as e:
+            if e.message.startswith("[json.exception.parse_error"):
+                raise Error(e.message, 500) from None
+
+
 def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """A Starlette app serving ``templates`` (name -> ChatTemplate, or UntrustedTemplate for
     templates that must run in a sandboxed worker; the first is the default)."""
@@ -142,21 +195,26 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         return {"prompt": t.apply_template(raw)}
 
     def do_tokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
+        # llama-server's post_tokenize (server-context.cpp): no "content" (or a body that is no
+        # object) -> no tokens; flags of the wrong type take their defaults (json_value);
+        # content a string, or an array of strings and token ids (tokenize_mixed)
         if getattr(t, "gguf_path", None) is None:
             raise Error("tokenize needs a GGUF-backed model (serve --gguf, trusted)", 501)
-        if not isinstance(parsed, dict):
-            raise Error("request body must be a JSON object", 500)
-        if "content" not in parsed:
+        _parsed_as_llama_server(t, raw, parsed)
+        if not isinstance(parsed, dict) or "content" not in parsed:
             return {"tokens": []}
+        add_special = _json_value(parsed, "add_special", False)
+        parse_special = _json_value(parsed, "parse_special", True)
         content = parsed["content"]
-        if not isinstance(content, str):
-            raise TypeError("content must be a string")
-        ids = t.tokenize(
-            content,
-            add_special=bool(parsed.get("add_special", False)),
-            parse_special=bool(parsed.get("parse_special", True)),
-        ).tolist()
-        if parsed.get("with_pieces"):
+        ids: list[int] = []
+        for i, part in enumerate(content if isinstance(content, list) else [content]):
+            if isinstance(part, str):
+                ids += t.tokenize(part, add_special=add_special and i == 0, parse_special=parse_special).tolist()
+            elif isinstance(content, list):
+                ids.append(_json_int(part))
+            else:
+                raise Error(f"[json.exception.type_error.302] type must be string, but is {_json_type(part)}", 500)
+        if _json_value(parsed, "with_pieces", False):
             out = []
             for i in ids:
                 piece = t.token_to_piece(i)
@@ -168,14 +226,23 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         return {"tokens": ids}
 
     def do_detokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
+        # llama-server's post_detokenize: no "tokens" (or a body that is no object) -> ""; else
+        # body.at("tokens").get<llama_tokens>() (an array of numbers), tokens_to_str; its
+        # exceptions are 500s
         if getattr(t, "gguf_path", None) is None:
             raise Error("detokenize needs a GGUF-backed model (serve --gguf, trusted)", 501)
-        if not isinstance(parsed, dict):
-            raise Error("request body must be a JSON object", 500)
-        tokens = parsed.get("tokens", [])
-        if not isinstance(tokens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
-            raise TypeError("tokens must be a list of integers")
-        return {"content": t.detokenize(tokens)}
+        _parsed_as_llama_server(t, raw, parsed)
+        if not isinstance(parsed, dict) or "tokens" not in parsed:
+            return {"content": ""}
+        tokens = parsed["tokens"]
+        if not isinstance(tokens, list):
+            raise Error(f"[json.exception.type_error.302] type must be array, but is {_json_type(tokens)}", 500)
+        ids = [_json_int(x) for x in tokens]
+        n = t.vocab_size
+        for x in ids:  # the vocab's id_to_token.at(id): libstdc++'s message, as llama-server's 500
+            if not 0 <= x < n:
+                raise Error(f"vector::_M_range_check: __n (which is {x % 2**64}) >= this->size() (which is {n})", 500)
+        return {"content": t.detokenize(ids)}
 
     def do_inputs(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
         if not hasattr(t, "template_inputs"):
