@@ -415,3 +415,15 @@ def test_rwkv_vocab_whose_tokenizer_never_returns_raises(tmp_path):
     assert out["ok"] == [2, 4, 0] and out["hex"] == [0, 3, 3, 1]
     for name, byte in (("ab", "0x61"), ("newline", "0x0a"), ("hex-ab", "0x61")):
         assert "RWKV" in out[name] and f"byte {byte} but no token of that byte alone" in out[name], out[name]
+
+
+def test_gguf_metadata_takes_an_int_array_limit():
+    # an int (numpy's too; past 2**63 it is no limit); another type is a TypeError (the trial of
+    # session 55: 1.5 was taken as 1, a 2**76 from `inspect --max-array-items` a pybind11
+    # signature dump)
+    path = vocab_gguf(SPM)
+    assert llamaprompt.gguf_metadata(path, max_array_items=np.int64(1))["tokenizer.ggml.tokens"]["length"] == 32000
+    assert len(llamaprompt.gguf_metadata(path, max_array_items=10**23)["tokenizer.ggml.tokens"]) == 32000
+    for bad in (1.5, "3", True, None):
+        with pytest.raises(TypeError, match="max_array_items must be an int"):
+            llamaprompt.gguf_metadata(path, max_array_items=bad)

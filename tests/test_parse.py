@@ -429,3 +429,14 @@ def test_stream_parser_fed_from_threads_keeps_every_chunk(qwen3):
     stream.finish()
     content = stream.message["content"]
     assert content.count("ab") == per_thread * n_threads
+
+
+def test_a_stream_is_fed_text_only():
+    # None or a number is a TypeError (the trial of session 55: feed(None) returned [])
+    t = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja"))
+    stream = t.apply({"messages": USER}).stream_parser()
+    for bad in (None, 5, ["x"]):
+        with pytest.raises(TypeError, match="chunk must be str or bytes"):
+            stream.feed(bad)
+    assert stream.feed("It is") + stream.feed(b" sunny.") + stream.finish() != []
+    assert stream.message["content"] == "It is sunny."

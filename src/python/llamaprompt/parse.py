@@ -60,7 +60,11 @@ class StreamParser:
         self._finished = False
 
     def feed(self, chunk: str | bytes) -> list[dict[str, Any]]:
-        """Add generated text; returns the deltas it produced (possibly none)."""
+        """Add generated text; returns the deltas it produced (possibly none).
+
+        Raises TypeError for a chunk that is no str or bytes, RuntimeError after finish()."""
+        if not isinstance(chunk, (str, bytes)):
+            raise TypeError(f"chunk must be str or bytes, not {type(chunk).__name__}")
         if self._finished:
             raise RuntimeError("the stream is finished")
         if not chunk:
