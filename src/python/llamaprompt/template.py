@@ -197,7 +197,8 @@ class ChatTemplate:
         media_marker: the text image/audio/video parts become (``get_media_marker()``).
         fetch_remote_media: llama-server downloads ``http(s)`` media URLs; llamaprompt
             does not unless this is true (the prompt is the same either way when the
-            download succeeds).
+            download succeeds). ``http://`` only: the module has no OpenSSL, and an
+            ``https://`` URL then fails with llama.cpp's "HTTPS is not supported" message.
         caps: force chat-template caps (keys as :attr:`caps`): they replace what llama.cpp
             detected in the struct its normalizer and caps-driven workarounds read, then the
             unchanged upstream path runs. :attr:`detected_caps` keeps what was detected.
@@ -869,8 +870,9 @@ class ChatTemplate:
             ``prompt_render`` is the index of the render the prompt comes from (the first that
             matches) and ``prompt_match`` how: ``"exact"`` when the prompt is its output (after
             llama.cpp's BOS/EOS stripping), ``"prefix"`` when the prompt continues it
-            (``continue_final_message``, assistant prefill); both None when a handler rewrote the
-            text (e.g. gpt-oss). ``context`` is that render's context.
+            (``continue_final_message``, assistant prefill); both None when no render is the
+            prompt (a handler that rewrites the text after rendering it; none of the pinned
+            templates does on the pinned tree). ``context`` is that render's context.
 
         Raises what :meth:`apply` raises; FeatureError on a tree without the capture point;
         TemplateError for a built-in (non-Jinja) template.
