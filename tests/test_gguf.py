@@ -427,3 +427,20 @@ def test_gguf_metadata_takes_an_int_array_limit():
     for bad in (1.5, "3", True, None):
         with pytest.raises(TypeError, match="max_array_items must be an int"):
             llamaprompt.gguf_metadata(path, max_array_items=bad)
+
+
+def test_a_vocab_without_a_byte_token_its_tokenizer_looks_up_is_a_gguf_error(tmp_path):
+    # SPM falls back to byte tokens ("<0x0A>" for a newline) and looks them up with
+    # unordered_map::at: a file whose "<0x0A>" is renamed loads, and tokenizing a newline is a
+    # GGUFError with the lookup's message (the trial of session 55: TemplateError, the template's
+    # class, saying only "unordered_map::at")
+    S, A = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+    src = vocab_gguf(SPM)
+    tokens = list(_field(src, "tokenizer.ggml.tokens"))
+    tokens[tokens.index("<0x0A>")] = "<0xZZ>"
+    path = _rewrite_kv(src, tmp_path / "nobyte.gguf", {"tokenizer.ggml.tokens": MetadataDetails(A, tokens, sub_type=S)})
+    t = llamaprompt.ChatTemplate.from_gguf(path)
+    assert len(t.tokenize("hi")) > 0
+    with pytest.raises(llamaprompt.GGUFError, match="unordered_map::at") as info:
+        t.tokenize("a\nb")
+    assert "vocab" in info.value.message

@@ -440,3 +440,15 @@ def test_a_stream_is_fed_text_only():
             stream.feed(bad)
     assert stream.feed("It is") + stream.feed(b" sunny.") + stream.finish() != []
     assert stream.message["content"] == "It is sunny."
+
+
+def test_task_parameters_of_the_wrong_type_are_type_errors():
+    # (the trial of session 55: reasoning_format=5 gave pybind11's signature dump)
+    params = llamaprompt.ChatTemplate.from_file(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")).apply(
+        {"messages": USER}
+    )
+    with pytest.raises(TypeError, match="reasoning_format must be a str or None, not int"):
+        params.parse("hi", reasoning_format=5)
+    with pytest.raises(TypeError, match="parse_tool_calls must be a bool or None, not str"):
+        params.stream_parser(parse_tool_calls="yes")
+    assert params.parse("hi", reasoning_format="none", parse_tool_calls=False)["content"] == "hi"

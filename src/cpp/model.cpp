@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <deque>
 #include <memory>
+#include <stdexcept>
 #include <string_view>
 #include <unordered_set>
 
@@ -45,6 +46,21 @@ auto with_log(const char * what, F && fn) -> decltype(fn()) {
         message = what;
     }
     throw error(error_kind::gguf, 0, message);
+}
+
+// call_upstream for the vocab's calls: a lookup that finds no token (std::out_of_range from
+// unordered_map::at / vector::at -- a token text the tokenizer needs, e.g. SPM's "<0x0A>" byte
+// fallback, missing from the file) is the file's fault: a GGUFError with the lookup's message
+template <typename F>
+auto on_vocab(F && fn) -> decltype(fn()) {
+    return call_upstream([&]() -> decltype(fn()) {
+        try {
+            return fn();
+        } catch (const std::out_of_range & e) {
+            throw error(error_kind::gguf, 500,
+                        std::string("the GGUF file's vocab lacks a token its tokenizer looks up (") + e.what() + ")");
+        }
+    });
 }
 
 void check_file(const std::string & path) {
@@ -324,7 +340,7 @@ void register_model(py::module_ & m) {
         // POST /tokenize: tokenize_mixed(vocab, content, add_special, parse_special)
         .def("tokenize", [](const core_model & mdl, const std::string & text, bool add_special, bool parse_special) {
             check_tokenize(mdl.vocab(), add_special);
-            llama_tokens tokens = call_upstream([&]() {
+            llama_tokens tokens = on_vocab([&]() {
                 return tokenize_mixed(mdl.vocab(), json(text), add_special, parse_special);
             });
             py::array_t<int32_t> out((py::ssize_t) tokens.size());
@@ -334,13 +350,13 @@ void register_model(py::module_ & m) {
         // POST /detokenize: tokens_to_str(vocab, tokens)
         .def("detokenize", [](const core_model & mdl, const std::vector<llama_token> & tokens) {
             check_tokenize(mdl.vocab(), false);
-            std::string text = call_upstream([&]() { return tokens_to_str(mdl.vocab(), tokens); });
+            std::string text = on_vocab([&]() { return tokens_to_str(mdl.vocab(), tokens); });
             return text_to_py(text);
         }, py::arg("tokens"))
         // POST /tokenize with_pieces: common_token_to_piece(vocab, token) (special tokens rendered)
         .def("token_to_piece", [](const core_model & mdl, llama_token token, bool special) {
             check_tokenize(mdl.vocab(), false);  // token_to_piece asserts a tokenizer too
-            std::string piece = call_upstream([&]() { return common_token_to_piece(mdl.vocab(), token, special); });
+            std::string piece = on_vocab([&]() { return common_token_to_piece(mdl.vocab(), token, special); });
             return py::bytes(piece);
         }, py::arg("token"), py::arg("special") = true);
 

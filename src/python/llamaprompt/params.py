@@ -89,6 +89,8 @@ class ChatParams:
             TemplateError: status 500, "The model produced output that does not match the
                 expected <format> format", when ``partial`` is false and the parser cannot
                 accept the text -- llama-server fails such a request with that error.
+            TypeError: ``reasoning_format`` is no str (or None), ``parse_tool_calls`` no bool
+                (or None).
         """
         from .parse import output_parser
         from .text import utf8 as _utf8

@@ -22,6 +22,10 @@ def output_parser(
 ) -> _core.OutputParser:
     """The C++ parser for one request: its llama_params through llama-server's
     ``eval_llama_cmpl_schema`` (defaults from the template's server_args)."""
+    if reasoning_format is not None and not isinstance(reasoning_format, str):
+        raise TypeError(f"reasoning_format must be a str or None, not {type(reasoning_format).__name__}")
+    if parse_tool_calls is not None and not isinstance(parse_tool_calls, bool):
+        raise TypeError(f"parse_tool_calls must be a bool or None, not {type(parse_tool_calls).__name__}")
     origin = params._origin
     if origin is None:
         raise ValueError("this ChatParams was not produced by ChatTemplate.apply()")
