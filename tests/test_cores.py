@@ -79,6 +79,27 @@ def test_source_hash_is_the_builds():
     assert len(_core.SOURCE_HASH) == 64
 
 
+def test_a_core_built_by_another_python_is_not_usable(tmp_path, monkeypatch):
+    # the per-user cache is shared by every Python: a core whose module has another ABI tag does
+    # not load here, and naming it says so (session 55: a 3.9 interpreter got "the worker process
+    # ... died (exit code 1)" for a core built by 3.11)
+    import importlib.machinery
+
+    here = importlib.machinery.EXTENSION_SUFFIXES[0]
+    other = ".cpython-27-x86_64-linux-gnu.so" if "cpython-27" not in here else ".cpython-399-x86_64-linux-gnu.so"
+    monkeypatch.setenv("LLAMAPROMPT_CACHE_DIR", str(tmp_path))
+    folder = cores.cores_dir() / "abcdef123"
+    folder.mkdir(parents=True)
+    meta = {"name": "9.9.9", "commit": "abcdef123", "source": "llama-cpp-python 9.9.9 sdist"}
+    meta["source_hash"] = cores.builtin_core().source_hash
+    for suffix, usable in ((here, True), (other, False)):
+        (folder / "core.json").write_text(json.dumps({**meta, "path": str(folder / f"_core{suffix}")}))
+        (core,) = cores.installed_cores()
+        assert (core.for_this_python, core.usable) == (usable, usable)
+    with pytest.raises(llamaprompt.CoreError, match=r"built for another Python \(_core\.cpython-(27|399)"):
+        cores.find_core("9.9.9")
+
+
 def test_builtin_core_is_found_by_name_and_commit():
     here = cores.builtin_core()
     assert here.builtin and here.commit == llamaprompt.LLAMA_CPP_COMMIT

@@ -138,8 +138,18 @@ class Core:
 
     @property
     def usable(self) -> bool:
-        """Whether this package can load it (built from the same llamaprompt sources)."""
-        return self.builtin or self.source_hash == _installed_hash()
+        """Whether this package can load it: built from the same llamaprompt sources, for this
+        Python (its module's ABI tag, e.g. ``cpython-311``, is this interpreter's)."""
+        return self.builtin or (self.source_hash == _installed_hash() and self.for_this_python)
+
+    @property
+    def for_this_python(self) -> bool:
+        """Whether the module file's ABI tag (``_core.cpython-311-x86_64-linux-gnu.so``) is this
+        interpreter's (a core built by another Python in the shared cache does not load here)."""
+        name = Path(self.path or "").name
+        return not re.search(r"\.cpython-[^.]+\.[^.]+$", name) or name.endswith(
+            importlib.machinery.EXTENSION_SUFFIXES[0]
+        )
 
     def matches(self, spec: str) -> bool:
         """Whether ``spec`` names this core: its name, or a prefix (7+ hex digits) of its commit."""
@@ -216,9 +226,14 @@ def find_core(spec: str | None) -> Core:
     for core in cores:
         if core.matches(spec):
             if not core.usable:
+                why = (
+                    "from other llamaprompt sources than this package"
+                    if core.source_hash != _installed_hash()
+                    else f"for another Python ({Path(core.path or '').name}; this is {sys.implementation.cache_tag})"
+                )
                 raise CoreError(
-                    f"the llama.cpp {core.label()} core in {Path(core.path or '').parent} was built from other "
-                    f"llamaprompt sources than this package; rebuild it with `llamaprompt cores add {core.name}`"
+                    f"the llama.cpp {core.label()} core in {Path(core.path or '').parent} was built {why}; "
+                    f"rebuild it with `llamaprompt cores add {core.name}` (run by this Python)"
                 )
             return core
     have = ", ".join([here.label() + " (built-in)"] + [c.label() for c in cores]) or "none"
