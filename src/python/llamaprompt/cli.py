@@ -51,13 +51,6 @@ from .text import json_safe
 __all__ = ["main"]
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return n
-
-
 def _non_negative(text: str) -> float:
     try:
         x = float(text)
@@ -104,13 +97,6 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
         return n
 
     return parse
-
-
-def _non_negative_int(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return n
 
 
 def _core_and_media_options(g: Any) -> None:
@@ -339,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("input", metavar="IN", help="input .jsonl or .parquet file")
     p.add_argument("-o", "--output", required=True, metavar="OUT.parquet", help="Parquet file to write")
     p.add_argument("--tokens", action="store_true", help="add prompt tokens (needs --gguf)")
-    p.add_argument("--workers", type=_positive, default=1, metavar="N", help="worker processes (default 1)")
+    p.add_argument("--workers", type=_int_in(1), default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--batch-rows", type=int, default=2048, metavar="N", help="rows per batch (default 2048)")
     p.add_argument("--ray", action="store_true", help="run the batches on Ray Data (pip install 'llamaprompt[ray]')")
     p.add_argument(
@@ -355,7 +341,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="GGUF file")
     p.add_argument(
         "--max-array-items",
-        type=int,
+        type=_int_in(0),
         default=16,
         metavar="N",
         help="summarize arrays longer than N by type and length (default: 16)",
@@ -463,7 +449,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("version", nargs="?", metavar="VERSION", help="llama-cpp-python version, e.g. 0.3.33")
     c.add_argument("--llama-cpp-dir", metavar="DIR", help="a llama.cpp source tree instead of a version")
     c.add_argument("--source", metavar="DIR", help="llamaprompt's sources (default: where the package was built from)")
-    c.add_argument("-j", "--jobs", type=_positive, metavar="N", help="parallel compile jobs")
+    c.add_argument("-j", "--jobs", type=_int_in(1), metavar="N", help="parallel compile jobs")
     c.add_argument("--force", action="store_true", help="rebuild even when a usable core is installed")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument(
@@ -509,7 +495,7 @@ def _parser() -> argparse.ArgumentParser:
         help="name -> request body, or a fixtures/reference file (its 'requests'); default: the shipped set",
     )
     p.add_argument("--json", metavar="OUT.json", help="also write the full report as JSON (- for stdout)")
-    p.add_argument("--context", type=_non_negative_int, default=30, metavar="N", help="excerpt characters (30)")
+    p.add_argument("--context", type=_int_in(0), default=30, metavar="N", help="excerpt characters (30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
@@ -534,7 +520,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--requests", metavar="REQUESTS.json", help="JSON object name -> request body (default: the shipped set)"
     )
-    p.add_argument("--threads", type=_positive, default=2, metavar="N", help="threads for the scaling figure (2)")
+    p.add_argument("--threads", type=_int_in(1), default=2, metavar="N", help="threads for the scaling figure (2)")
     p.add_argument(
         "--min-time",
         type=_non_negative,
@@ -555,7 +541,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-floor", action="store_true", help="skip the floor")
     p.add_argument(
         "--memory",
-        type=_non_negative_int,
+        type=_int_in(0),
         default=100,
         metavar="N",
         help="templates loaded for the memory report (default 100; 0: skip)",
