@@ -437,7 +437,7 @@ def test_server_tokenize_reads_bodies_as_llama_server(server):
     assert tok({"content": "hi", "with_pieces": "no"}) == (200, {"tokens": hi})
     assert tok({"content": [5, "hi"], "add_special": True}) == (200, {"tokens": [5, *hi]})
     assert tok({"content": ["hi", 5, "hi"], "add_special": True}) == (200, {"tokens": bos + hi + [5] + hi})
-    assert tok({"content": [True, 2.7]}) == (200, {"tokens": [1, 2]})
+    assert tok({"content": [True, 2.7, 2**32 + 1, 99999]}) == (200, {"tokens": [1, 2, 1, 99999]})  # unchecked ids
     for body in ([1], "x", {}):
         assert tok(body) == (200, {"tokens": []})
     for content, says in ((5, "string, but is number"), (None, "string, but is null"), ([None], "number, but is null")):
@@ -455,6 +455,7 @@ def test_server_tokenize_reads_bodies_as_llama_server(server):
     n = t.vocab_size
     for bad, shown in ((n, n), (-1, 2**64 - 1)):
         status, err = detok({"tokens": [*hi, bad]})
+        assert (status, err) == tok({"content": [bad], "with_pieces": True})  # the same lookup
         assert status == 500 and err["error"]["message"] == (
             f"vector::_M_range_check: __n (which is {shown}) >= this->size() (which is {n})"
         )

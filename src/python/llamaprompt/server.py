@@ -81,10 +81,10 @@ def _json_value(body: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def _json_int(value: Any) -> int:
-    """nlohmann's ``get<llama_token>()``: a number (a float truncated) or a boolean as 0/1; an
-    Error (500, nlohmann's message) for anything else."""
+    """nlohmann's ``get<llama_token>()``: a number (an integer wrapped to 32 bits, a float
+    truncated) or a boolean as 0/1; an Error (500, nlohmann's message) for anything else."""
     if isinstance(value, (bool, int)):
-        return int(value)
+        return (int(value) + 2**31) % 2**32 - 2**31  # static_cast<int32_t>
     if isinstance(value, float) and value == value and abs(value) < 2**31:
         return int(value)
     if isinstance(value, float):
@@ -107,12 +107,23 @@ def _parsed_as_llama_server(t: ChatTemplate, raw: bytes, parsed: Any) -> None:
             json.dumps(parsed, ensure_ascii=False).encode("utf-8")
         except (ValueError, UnicodeEncodeError):
             bad = True
+        except RecursionError:  # (read once already: as deep as Python's parser goes)
+            return
     if bad:
         try:
             t.apply_template(raw)
         except Error as e:
             if e.message.startswith("[json.exception.parse_error"):
                 raise Error(e.message, 500) from None
+
+
+def _check_token_ids(t: ChatTemplate, ids: list[int]) -> None:
+    """The vocab's ``id_to_token.at(id)`` for each id, as llama-server's handlers reach it: a 500
+    with libstdc++'s range-check message for the first id out of range."""
+    n = t.vocab_size
+    for x in ids:
+        if not 0 <= x < n:
+            raise Error(f"vector::_M_range_check: __n (which is {x % 2**64}) >= this->size() (which is {n})", 500)
 
 
 def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
@@ -215,6 +226,7 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
             else:
                 raise Error(f"[json.exception.type_error.302] type must be string, but is {_json_type(part)}", 500)
         if _json_value(parsed, "with_pieces", False):
+            _check_token_ids(t, ids)  # (ids given in "content" are returned unchecked without pieces)
             out = []
             for i in ids:
                 piece = t.token_to_piece(i)
@@ -238,10 +250,7 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         if not isinstance(tokens, list):
             raise Error(f"[json.exception.type_error.302] type must be array, but is {_json_type(tokens)}", 500)
         ids = [_json_int(x) for x in tokens]
-        n = t.vocab_size
-        for x in ids:  # the vocab's id_to_token.at(id): libstdc++'s message, as llama-server's 500
-            if not 0 <= x < n:
-                raise Error(f"vector::_M_range_check: __n (which is {x % 2**64}) >= this->size() (which is {n})", 500)
+        _check_token_ids(t, ids)
         return {"content": t.detokenize(ids)}
 
     def do_inputs(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
