@@ -315,6 +315,14 @@ def test_a_row_with_a_lone_surrogate_is_an_error_row(tmp_path):
     table = data.render_table(t, rows)
     assert table.column("prompt").to_pylist() == ["ok \u00e9", None]
     assert table.column("error").to_pylist() == [None, info.value.message]
+    # the same as a dict of columns, and as JSON text holding the surrogate itself (the second
+    # helper: a UnicodeEncodeError for the whole table; the text rendered with U+FFFD, no error)
+    columns = {"messages": [r["messages"] for r in rows]}
+    texts = [{"messages": json.dumps(r["messages"], ensure_ascii=False)} for r in rows]
+    for table in (data.render_table(t, columns), data.render_table(t, texts)):
+        assert table.column("prompt").to_pylist() == ["ok \u00e9", None]
+        assert table.column("error").to_pylist()[0] is None
+        assert table.column("error").to_pylist()[1].startswith("[json.exception.parse_error.101]")
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="ascii")
     done = data.render_file(t, str(src), str(tmp_path / "out.parquet"), progress=False)

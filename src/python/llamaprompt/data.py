@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from .errors import Error
 from .template import ChatTemplate, map_on_threads
-from .text import json_safe
 
 __all__ = [
     "render_table",
@@ -54,7 +54,12 @@ def as_arrow_table(data: Any):
     if isinstance(data, list):
         return _table_from_rows(data)
     if isinstance(data, Mapping):
-        return pa.table(dict(data))
+        try:
+            return pa.table(dict(data))
+        except UnicodeEncodeError:  # a lone surrogate: the cells as rows do (_json_text)
+            columns = {k: list(v) for k, v in data.items()}
+            n = max((len(v) for v in columns.values()), default=0)
+            return _table_from_rows([{k: v[i] for k, v in columns.items() if i < len(v)} for i in range(n)])
     hf = getattr(data, "data", None)  # datasets.Dataset keeps an Arrow table in .data.table
     if hf is not None and isinstance(getattr(hf, "table", None), pa.Table):
         return hf.table
@@ -97,9 +102,9 @@ def _arrow_ok(pa: Any, values: list[Any]) -> bool:
 
 
 def _json_text(v: Any) -> str | None:
-    """A cell as Arrow text: nested values as JSON text (with ``\\u`` escapes when it holds a
-    lone surrogate, which UTF-8 cannot carry: llama.cpp's JSON parser then refuses that row, as
-    llama-server refuses such a body), text as it is (a lone surrogate as U+FFFD)."""
+    """A cell as Arrow text: nested values as JSON text, text as it is. A lone surrogate, which
+    UTF-8 (and so Arrow) cannot carry, is written as its ``\\u`` escape: llama.cpp's JSON parser
+    then refuses that row with its message, as llama-server refuses such a body."""
     if v is None or (isinstance(v, float) and v != v):  # None, or pandas' NaN for a missing cell
         return None
     if not isinstance(v, str):
@@ -107,8 +112,11 @@ def _json_text(v: Any) -> str | None:
     try:
         v.encode("utf-8")
     except UnicodeEncodeError:
-        return json_safe(v)
+        return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", v)
     return v
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _json_dump(v: Any) -> str:
