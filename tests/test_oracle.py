@@ -443,9 +443,17 @@ def test_server_tokenize_reads_bodies_as_llama_server(server):
     for content, says in ((5, "string, but is number"), (None, "string, but is null"), ([None], "number, but is null")):
         status, err = tok({"content": content})
         assert status == 500 and err["error"]["message"] == f"[json.exception.type_error.302] type must be {says}"
-    for raw in (b'{"content": "\\ud800"}', b'{"content": NaN}', b"{bad"):
+    utf16 = '{"content": "hi"}'.encode("utf-16")  # Python's reader takes it; nlohmann's does not
+    for raw in (b'{"content": "\\ud800"}', b'{"content": NaN}', b"{bad", utf16, b'{"content": "hi"} x'):
         status, err = tok(raw=raw)
         assert status == 500 and err["error"]["message"].startswith("[json.exception.parse_error.101] parse error")
+    for number in ("1e400", "1" + "0" * 400):  # past a double (the second, an integer, read as one)
+        status, err = tok(raw=b'{"content": [%s]}' % number.encode())
+        assert status == 500 and err["error"]["message"] == (
+            f"[json.exception.out_of_range.406] number overflow parsing '{number}'"
+        )
+    assert tok(raw=b'\xef\xbb\xbf{"content": "hi"}') == (200, {"tokens": hi})  # a UTF-8 BOM is skipped
+    assert tok({"content": [1e10, -1e10, 3.9]}) == (200, {"tokens": [-(2**31), -(2**31), 3]})  # x86-64's cast
 
     def detok(body):
         return _http(f"{server}/detokenize?model=phi3.gguf", body)

@@ -84,13 +84,12 @@ def _json_value(body: Mapping[str, Any], key: str, default: bool) -> bool:
 
 def _json_int(value: Any) -> int:
     """nlohmann's ``get<llama_token>()``: a number (an integer wrapped to 32 bits, a float
-    truncated) or a boolean as 0/1; an Error (500, nlohmann's message) for anything else."""
+    truncated, or INT32_MIN past int32 as x86-64's conversion gives) or a boolean as 0/1; an
+    Error (500, nlohmann's message) for anything else."""
     if isinstance(value, (bool, int)):
         return (int(value) + 2**31) % 2**32 - 2**31  # static_cast<int32_t>
-    if isinstance(value, float) and value == value and abs(value) < 2**31:
-        return int(value)
-    if isinstance(value, float):
-        raise Error(f"token id {value!r} is not a 32-bit integer", 500)
+    if isinstance(value, float):  # static_cast<int32_t>(double): as x86-64 does it past int32
+        return int(value) if abs(value) < 2**31 else -(2**31)
     raise Error(f"[json.exception.type_error.302] type must be number, but is {_json_type(value)}", 500)
 
 
@@ -98,16 +97,30 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is no JSON")
 
 
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        raise ValueError(f"number overflow parsing {text!r}")  # nlohmann's out_of_range.406
+    return x
+
+
+def _int_or_finite(text: str) -> int | float:
+    n = int(text)
+    return n if -(2**63) <= n < 2**64 else _finite_float(text)  # past 64 bits nlohmann reads a double
+
+
 def _parsed_as_llama_server(t: ChatTemplate, raw: bytes, parsed: Any) -> None:
     """Raise llama-server's 500 with its JSON parser's message (nlohmann's, taken from llama.cpp's
-    parse of ``raw``) for a body that parser refuses and Python's may not: not JSON at all,
-    NaN/Infinity, a lone surrogate escape."""
+    parse of ``raw``) for a body that parser refuses and Python's may not: not JSON at all, not
+    UTF-8 (Python's reads UTF-16/32 too), NaN/Infinity, a number past a double, a lone surrogate
+    escape."""
     bad = parsed is None and raw.strip() != b"null"
     if not bad:
         try:
-            json.loads(raw, parse_constant=_refuse_constant)
+            text = (raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw).decode("utf-8")
+            json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int_or_finite)
             json.dumps(parsed, ensure_ascii=False).encode("utf-8")
-        except (ValueError, UnicodeEncodeError):
+        except (ValueError, UnicodeError):
             bad = True
         except RecursionError:  # (read once already: as deep as Python's parser goes)
             return
@@ -115,7 +128,7 @@ def _parsed_as_llama_server(t: ChatTemplate, raw: bytes, parsed: Any) -> None:
         try:
             t.apply_template(raw)
         except Error as e:
-            if e.message.startswith("[json.exception.parse_error"):
+            if e.message.startswith(("[json.exception.parse_error", "[json.exception.out_of_range")):
                 raise Error(e.message, 500) from None
 
 
