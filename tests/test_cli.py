@@ -313,3 +313,21 @@ def test_serve_refuses_a_port_or_body_limit_out_of_range():
         proc = run("serve", "--pinned", *args)
         assert proc.returncode == 2 and b"Traceback" not in proc.stderr, proc.stderr[-500:]
         assert f"argument {args[0]}: must be".encode() in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["serve", "--port", "1_000"], "argument --port: not an integer: '1_000'"),
+        (["serve", "--port", "\uff18\uff18"], "argument --port: not an integer"),  # full-width digits
+        (["diff", "a.json", "b.json", "--context", "-1"], "argument --context: must be >= 0"),
+        (["render-dataset", "in.jsonl", "-o", "o.parquet", "--batch-rows", "0"], "argument --batch-rows: must be >= 1"),
+        (["inspect", "m.gguf", "--max-array-items", "-1"], "argument --max-array-items: must be >= 0"),
+    ],
+)
+def test_integer_options_take_plain_integers_in_range(argv, says, capsys):
+    # (the second helper of session 55: --context -1 and --batch-rows 0 were taken, and int()'s
+    # "1_000" or full-width digits for a port)
+    with pytest.raises(SystemExit) as info:
+        _parser().parse_args(argv)
+    assert info.value.code == 2 and says in capsys.readouterr().err

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -88,10 +89,9 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer from ``low`` to ``high`` (None: no upper bound)."""
 
     def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):  # (int() takes "1_000" and other scripts' digits)
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+        n = int(text)
         if n < low or (high is not None and n > high):
             raise argparse.ArgumentTypeError(f"must be {low}..{high}" if high is not None else f"must be >= {low}")
         return n
@@ -326,7 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="OUT.parquet", help="Parquet file to write")
     p.add_argument("--tokens", action="store_true", help="add prompt tokens (needs --gguf)")
     p.add_argument("--workers", type=_int_in(1), default=1, metavar="N", help="worker processes (default 1)")
-    p.add_argument("--batch-rows", type=int, default=2048, metavar="N", help="rows per batch (default 2048)")
+    p.add_argument("--batch-rows", type=_int_in(1), default=2048, metavar="N", help="rows per batch (default 2048)")
     p.add_argument("--ray", action="store_true", help="run the batches on Ray Data (pip install 'llamaprompt[ray]')")
     p.add_argument(
         "--training",
@@ -427,7 +427,7 @@ def _parser() -> argparse.ArgumentParser:
         "--format", choices=("markdown", "json"), default="markdown", help="report format (default: markdown)"
     )
     p.add_argument("--mask-dates", action="store_true", help="compare with dates masked")
-    p.add_argument("--context", type=int, default=30, metavar="N", help="characters of context (default 30)")
+    p.add_argument("--context", type=_int_in(0), default=30, metavar="N", help="characters of context (default 30)")
     p.add_argument(
         "--explain",
         action="store_true",
