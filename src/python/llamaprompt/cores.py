@@ -144,12 +144,17 @@ class Core:
 
     @property
     def for_this_python(self) -> bool:
-        """Whether the module file's ABI tag (``_core.cpython-311-x86_64-linux-gnu.so``) is this
-        interpreter's (a core built by another Python in the shared cache does not load here)."""
+        """Whether this interpreter imports the module file: its ABI tag
+        (``_core.cpython-311-x86_64-linux-gnu.so``, ``.abi3.so``) is one of this interpreter's
+        extension suffixes, or it has none (a core built by another Python -- another version,
+        PyPy -- in the shared cache does not load here)."""
         name = Path(self.path or "").name
-        return not re.search(r"\.cpython-[^.]+\.[^.]+$", name) or name.endswith(
-            importlib.machinery.EXTENSION_SUFFIXES[0]
-        )
+        if not name:
+            return True
+        suffixes = importlib.machinery.EXTENSION_SUFFIXES
+        if any(name.endswith(s) for s in suffixes if s.count(".") > 1):
+            return True
+        return name.count(".") == 1 and any(name.endswith(s) for s in suffixes)
 
     def matches(self, spec: str) -> bool:
         """Whether ``spec`` names this core: its name, or a prefix (7+ hex digits) of its commit."""
