@@ -136,12 +136,14 @@ def test_builtin_matches_llama_chat_apply_template(name):
         ([{"role": 5, "content": "x"}], "message 0: 'role' must be a str, not a int"),
         ([{"role": "user", "content": "x"}, {"role": "user"}], "message 1: 'content' must be a str, not missing"),
         (["user: x"], "message 0 must be a mapping"),
+        ([{"role": "user", "content": "a\x00b"}], "message 0: 'content' holds a NUL character"),
+        ([{"role": "user\ud800", "content": "x"}], "message 0: 'role' holds a lone surrogate"),
     ],
 )
 def test_llama_chat_apply_template_refuses_what_is_no_text(messages, says):
     # the C function takes two C strings per message; the build before rendered str() of them
     # ("[INST] None [/INST]", a list's repr, a role 5 as an assistant turn) or raised KeyError
-    with pytest.raises(TypeError, match=re.escape(says)):
+    with pytest.raises(ValueError if "holds" in says else TypeError, match=re.escape(says)):
         llamaprompt.llama_chat_apply_template("llama2", messages)
 
 

@@ -451,4 +451,6 @@ def test_task_parameters_of_the_wrong_type_are_type_errors():
         params.parse("hi", reasoning_format=5)
     with pytest.raises(TypeError, match="parse_tool_calls must be a bool or None, not str"):
         params.stream_parser(parse_tool_calls="yes")
+    with pytest.raises(TypeError, match="partial must be a bool, not str"):
+        params.parse("hi", partial="yes")
     assert params.parse("hi", reasoning_format="none", parse_tool_calls=False)["content"] == "hi"

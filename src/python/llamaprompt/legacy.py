@@ -18,9 +18,10 @@ def llama_chat_apply_template(name: str, messages: Iterable[Mapping[str, str]], 
     """llama.cpp's C function ``llama_chat_apply_template`` called directly, for plain
     ``{"role", "content"}`` messages (no request parsing, no server logic).
 
-    Raises RequestError when llama.cpp does not know the template, and TypeError for a message
+    Raises RequestError when llama.cpp does not know the template, TypeError for a message
     that is no mapping with string "role" and "content" (the C function takes two C strings per
-    message: nothing is converted to text for it).
+    message: nothing is converted to text for it), and ValueError for text no C string in UTF-8
+    can carry (a NUL character, a lone surrogate).
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str (a built-in template's name or a template), not {type(name).__name__}")
@@ -29,8 +30,16 @@ def llama_chat_apply_template(name: str, messages: Iterable[Mapping[str, str]], 
         if not isinstance(m, Mapping):
             raise TypeError(f"message {i} must be a mapping with 'role' and 'content', not {type(m).__name__}")
         for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                got = "missing" if key not in m else f"a {type(m[key]).__name__}"
+            text = m.get(key)
+            if not isinstance(text, str):
+                got = "missing" if key not in m else f"a {type(text).__name__}"
                 raise TypeError(f"message {i}: {key!r} must be a str, not {got}")
+            if "\x00" in text:
+                raise ValueError(f"message {i}: {key!r} holds a NUL character, where a C string ends")
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"message {i}: {key!r} holds a lone surrogate (no UTF-8)") from None
         pairs.append((m["role"], m["content"]))
     return _core.chat_apply_template(name, pairs, bool(add_ass))

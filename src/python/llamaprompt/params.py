@@ -90,13 +90,15 @@ class ChatParams:
                 expected <format> format", when ``partial`` is false and the parser cannot
                 accept the text -- llama-server fails such a request with that error.
             TypeError: ``reasoning_format`` is no str (or None), ``parse_tool_calls`` no bool
-                (or None).
+                (or None), ``partial`` no bool.
         """
         from .parse import output_parser
         from .text import utf8 as _utf8
 
+        if not isinstance(partial, bool):
+            raise TypeError(f"partial must be a bool, not {type(partial).__name__}")
         core = output_parser(self, reasoning_format=reasoning_format, parse_tool_calls=parse_tool_calls, stream=False)
-        return core.parse(_utf8(text), bool(partial))
+        return core.parse(_utf8(text), partial)
 
     def stream_parser(
         self, *, reasoning_format: str | None = None, parse_tool_calls: bool | None = None
