@@ -296,6 +296,7 @@ def test_every_command_option_and_argument_has_help():
         ["serve", "-t", ""],
         ["fixtures", "--pinned", "", "-o", "out.json"],
         ["render", ""],
+        ["bench", "--llama-server", "", ""],
     ],
 )
 def test_an_empty_file_or_template_name_is_refused(argv):

@@ -811,9 +811,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _names_a_file(action: argparse.Action) -> bool:
-    """Whether ``action``'s value names a file, a folder or a template (its metavar says so)."""
-    metavar = action.metavar if isinstance(action.metavar, str) else ""
-    return metavar in ("FILE", "DIR", "NAME", "IN") or metavar.endswith((".json", ".txt", ".parquet", ".png"))
+    """Whether ``action``'s value names a file, a folder or a template (its metavar says so; a
+    tuple of metavars: every one)."""
+    names = action.metavar if isinstance(action.metavar, tuple) else (action.metavar,)
+    return all(
+        isinstance(m, str) and (m in ("FILE", "DIR", "NAME", "IN", "BINARY") or m.endswith(_FILE_KINDS)) for m in names
+    )
+
+
+_FILE_KINDS = (".json", ".txt", ".parquet", ".png", ".gguf")
 
 
 def _refuse_empty_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
