@@ -205,12 +205,19 @@ def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
     doc = json_from_bytes(Path(path).read_bytes(), str(path))
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
         raise ValueError(f'{path}: not a llamaprompt fixtures file (no "schema": "{SCHEMA_ID}")')
-    if doc.get("schema_version") != SCHEMA_VERSION or isinstance(doc.get("schema_version"), bool):
-        raise ValueError(f"{path}: schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION!r}")
+    _check_version(doc, str(path))
     problem = _shape_problem(doc)
     if problem:
         raise ValueError(f"{path}: not a valid fixtures file: {problem} (fixtures.schema.json)")
     return doc
+
+
+def _check_version(doc: Mapping[str, Any], name: str) -> None:
+    """ValueError ``name: ...`` unless the document's schema_version is this schema's (a number:
+    true, which equals 1, is not one)."""
+    version = doc.get("schema_version")
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise ValueError(f"{name}: schema_version {version!r} is not {SCHEMA_VERSION!r}")
 
 
 def _shape_problem(doc: Mapping[str, Any]) -> str | None:
@@ -350,10 +357,17 @@ def _same(a: Mapping[str, Any], b: Mapping[str, Any], masked: bool) -> bool:
     if a.get("status") != b.get("status"):
         return False
     if a.get("status") == 200:
-        pa, pb = json_safe(a.get("prompt", "")), json_safe(b.get("prompt", ""))
+        pa, pb = _as_stored(a.get("prompt", "")), _as_stored(b.get("prompt", ""))
         return (mask_dates(pa) == mask_dates(pb)) if masked else pa == pb
-    ma, mb = ((c.get("error") or {}).get("message") for c in (a, b))
-    return (json_safe(ma) if isinstance(ma, str) else ma) == (json_safe(mb) if isinstance(mb, str) else mb)
+    return _as_stored((a.get("error") or {}).get("message")) == _as_stored((b.get("error") or {}).get("message"))
+
+
+def _as_stored(text: Any) -> Any:
+    """Text as a fixtures file holds it (:func:`~llamaprompt.text.json_safe`; most text is
+    returned as it is, without a copy); anything else unchanged."""
+    if not isinstance(text, str) or text.isascii():
+        return text
+    return json_safe(text)
 
 
 def check_fixtures(
@@ -394,9 +408,7 @@ def _other_cases(other: Mapping[str, Any], name: str = "OTHER") -> tuple[dict[st
     starting with ``name`` when it is neither."""
     cases: dict[str, dict[str, Any]]
     if other.get("schema") == SCHEMA_ID:
-        version = other.get("schema_version")
-        if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise ValueError(f"{name}: schema_version {version!r} is not {SCHEMA_VERSION!r}")
+        _check_version(other, name)
         templates = other.get("templates")
         if not isinstance(templates, Mapping):
             raise ValueError(f'{name}: "templates" is not an object (fixtures.schema.json)')
