@@ -1367,3 +1367,88 @@ def test_a_handler_whose_result_the_stop_point_cannot_return_has_none(handler_tr
     assert "common_chat_params data` declared at its top level" in verdict
     copy = tmp_path / "out" / "generated" / "mirror" / "common" / "parsers" / "kimi-k3.cpp"
     assert not copy.exists() or "llamaprompt_prompt_ready(" not in copy.read_text()
+
+
+TOKENIZE_HEAD = "this->post_tokenize = [this](const server_http_req & req) {"
+DETOKENIZE_HEAD = "this->post_detokenize = [this](const server_http_req & req) {"
+
+
+def test_tokenize_handlers_are_copied_from_the_tree(tree, tmp_path):
+    """serve's /tokenize and /detokenize run the bodies of llama-server's handlers, read from
+    server-context.cpp: each generated file holds its body from the tree's line on, the vocab's
+    calls renamed to the checked ones (src/cpp/server_tokenize.cpp)."""
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _features(tmp_path)["serve_tokenize"]
+    source = (tree / "tools" / "server" / "server-context.cpp").read_text()
+    for head, name in ((TOKENIZE_HEAD, "post_tokenize"), (DETOKENIZE_HEAD, "post_detokenize")):
+        inc = (tmp_path / "out" / "generated" / f"lp_{name}.inc").read_text()
+        line = source[: source.index(head)].count("\n") + 1
+        assert f'#line {line} "tools/server/server-context.cpp"' in inc
+        body = source[source.index(head) + len(head) :].split("\n    };\n", 1)[0]
+        assert inc.split("\n", 2)[2].rstrip() == re.sub(
+            r"\b(tokenize_mixed|common_token_to_piece|tokens_to_str)\(ctx_server", r"lp_vocab::\1(ctx_server", body
+        ).rstrip()
+        assert "ctx_server.vocab" in body and "lp_vocab::" in inc
+
+
+@pytest.mark.parametrize(
+    ("head", "old", "new", "says"),
+    [
+        # a handler reading more of the server than the vocab
+        (
+            TOKENIZE_HEAD,
+            "const bool with_pieces = json_value(body, \"with_pieces\", false);",
+            "const bool with_pieces = json_value(body, \"with_pieces\", ctx_server.params_base.verbose);",
+            "uses 'ctx_server.params_base",
+        ),
+        # the vocab handed to a function server_tokenize.cpp does not check
+        (
+            DETOKENIZE_HEAD,
+            "content = tokens_to_str(ctx_server.vocab, tokens);",
+            "content = common_detokenize(ctx_server.vocab, tokens);",
+            "calls found: common_detokenize",
+        ),
+        # a response made otherwise
+        (
+            DETOKENIZE_HEAD,
+            "auto res = create_response();\n        const json body = json::parse(req.body);\n",
+            "const json body = json::parse(req.body);\n        auto res = create_response();\n",
+            "does not begin 'auto res = create_response();'",
+        ),
+    ],
+    ids=["server-state", "unchecked-vocab-call", "response"],
+)
+def test_a_changed_tokenize_handler_fails_with_file_and_text(tree, tmp_path, head, old, new, says):
+    path = tree / "tools" / "server" / "server-context.cpp"
+    text = path.read_text()
+    start = text.index(head)
+    end = text.index("\n    };\n", start)
+    assert old in text[start:end], f"{old!r} not in the handler"
+    path.write_text(text[:start] + text[start:end].replace(old, new, 1) + text[end:])
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    name = "post_tokenize" if head == TOKENIZE_HEAD else "post_detokenize"
+    assert f"tools/server/server-context.cpp: this->{name}" in proc.stderr and says in proc.stderr
+
+
+def test_tokenize_handlers_absent_or_one_gone(tree, tmp_path):
+    """Neither handler in that form: configure goes on without them (serve answers 501, the
+    feature is False); one of the two gone fails, naming it."""
+    path = tree / "tools" / "server" / "server-context.cpp"
+    text = path.read_text()
+    path.write_text(text.replace(DETOKENIZE_HEAD, "this->post_detokenize_v2 = [this](const server_http_req & req) {"))
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 1
+    assert "'this->post_detokenize = [this](const server_http_req & req) {' not found" in proc.stderr
+    path.write_text(
+        text.replace(DETOKENIZE_HEAD, "this->post_detokenize_v2 = [this](const server_http_req & req) {").replace(
+            TOKENIZE_HEAD, "this->post_tokenize_v2 = [this](const server_http_req & req) {"
+        )
+    )
+    proc = _run(tree, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _features(tmp_path)["serve_tokenize"] is False
+    assert "not in this tree: tools/server/server-context.cpp: llama-server's POST /tokenize" in (
+        tmp_path / "out" / "lp_tree.cmake"
+    ).read_text()

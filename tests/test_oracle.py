@@ -416,6 +416,18 @@ def test_server_tokenize(server):
     assert status == 501
 
 
+def test_server_tokenize_without_the_handlers_in_the_tree(server, monkeypatch):
+    # a tree without post_tokenize / post_detokenize (adapt_tree.py: the feature absent): 501,
+    # saying what the tree lacks
+    from llamaprompt import tree
+
+    monkeypatch.setitem(tree.features, "serve_tokenize", False)
+    for path in ("tokenize", "detokenize"):
+        status, err = _http(f"{server}/{path}?model=phi3.gguf", {"content": "hi", "tokens": [1]})
+        assert status == 501 and f"POST /{path} is not available" in err["error"]["message"]
+        assert "post_tokenize and post_detokenize" in err["error"]["message"]
+
+
 def test_server_tokenize_reads_bodies_as_llama_server(server):
     # llama-server's post_tokenize / post_detokenize (server-context.cpp): flags of the wrong type
     # take their defaults (json_value), content may mix strings and ids (tokenize_mixed: BOS only
@@ -470,6 +482,16 @@ def test_server_tokenize_reads_bodies_as_llama_server(server):
     for tokens, says in ((None, "array, but is null"), (["a"], "number, but is string")):
         status, err = detok({"tokens": tokens})
         assert status == 500 and err["error"]["message"] == f"[json.exception.type_error.302] type must be {says}"
+    # bodies deeper than Python's JSON reader are read by llama.cpp's, as llama-server reads them
+    # (observed on the pinned llama-server in session 56; the build before answered 400 "request
+    # is nested too deeply" to each)
+    deep = b"[" * 5000 + b"]" * 5000
+    status, err = tok(raw=b'{"content": %s}' % deep)
+    assert status == 500
+    assert err["error"]["message"] == "[json.exception.type_error.302] type must be number, but is array"
+    assert tok(raw=b'{"tokens": %s}' % deep) == (200, {"tokens": []})
+    assert tok(raw=b'{"x": %s, "content": "hi"}' % deep) == (200, {"tokens": hi})
+    assert _http(f"{server}/detokenize?model=phi3.gguf", raw=b'{"x": %s}' % deep) == (200, {"content": ""})
 
 
 def test_new_user_findings(tmp_path, few_doc, server):

@@ -176,7 +176,7 @@ TEMPLATE_INPUTS_SITES = (
 # features whose absence means llamaprompt gives less on this tree (the others only say which
 # shape of an upstream interface the bindings compile for)
 LOSSES = ["caps_reasoning_effort", "thinking_end_tags", "message_delimiters", "parse", "const_execution",
-          "template_inputs", "common_log"]
+          "template_inputs", "common_log", "serve_tokenize"]
 
 
 # ---------------------------------------------------------------------------
@@ -3194,6 +3194,72 @@ def vocab_fields(tree: Tree, features: dict[str, dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
+# llama-server's /tokenize and /detokenize handlers, compiled from the tree
+# ---------------------------------------------------------------------------
+
+SERVER_CONTEXT = "tools/server/server-context.cpp"
+TOKENIZE_HANDLERS = ("post_tokenize", "post_detokenize")
+# what src/cpp/server_tokenize.cpp gives a handler body in place of server_routes' lambda:
+# each name, and the members of it the body may use
+HANDLER_SCOPE = {"req": {"body"}, "ctx_server": {"vocab"}, "res": {"ok", "error"}}
+# the vocab's calls a body may make; server_tokenize.cpp runs each through check_tokenize first
+# (the conditions llama.cpp asserts: a GGUF without a tokenizer would abort the process)
+VOCAB_CALLS = ("tokenize_mixed", "common_token_to_piece", "tokens_to_str")
+
+
+def tokenize_handler_bodies(tree: Tree) -> dict[str, str] | None:
+    """The bodies of server_routes' post_tokenize and post_detokenize lambdas
+    (tools/server/server-context.cpp), each with its vocab calls renamed to the checked ones of
+    src/cpp/server_tokenize.cpp (``lp_vocab::NAME``). None when the tree has neither handler in
+    that form; a TreeError when a body uses what server_tokenize.cpp does not give it."""
+    if not tree.has(SERVER_CONTEXT):
+        return None
+    text = tree.read(SERVER_CONTEXT)
+    code = code_only(text)
+    bodies: dict[str, str] = {}
+    for name in TOKENIZE_HANDLERS:
+        m = re.search(r"\bthis->" + name + r"\s*=\s*\[this\]\s*\(\s*const\s+server_http_req\s*&\s*req\s*\)\s*\{",
+                      code)
+        if m is None:
+            continue
+        end = _block_end(code, m.end() - 1)
+        if end < 0:
+            raise TreeError(f"{SERVER_CONTEXT}: the body of this->{name} has no end")
+        body, body_code = text[m.end():end], code[m.end():end]
+        where = f"{SERVER_CONTEXT}: this->{name}"
+        problems = []
+        for obj, members in HANDLER_SCOPE.items():
+            for use in re.finditer(r"\b" + obj + r"\b(\s*(?:\.|->)\s*(\w+))?", body_code):
+                if use.group(2) not in members and not re.match(
+                        r"\s*=\s*create_response\(\)\s*;|\s*;", body_code[use.end():]):
+                    problems.append(f"uses '{norm(body_code[use.start():use.end() + 12])}...'")
+        for word in ("this", "params", "meta", "ctx_http", "queue_tasks", "queue_results"):
+            if re.search(r"\b" + word + r"\b", body_code):
+                problems.append(f"uses llama-server's state ('{word}')")
+        calls = re.findall(r"\b(\w+)\s*\(\s*ctx_server\s*\.\s*vocab\b", body_code)
+        if len(calls) != len(re.findall(r"\bctx_server\s*\.\s*vocab\b", body_code)) or set(calls) - set(VOCAB_CALLS):
+            problems.append(f"hands the vocab to other than the first argument of {', '.join(VOCAB_CALLS)} "
+                            f"(calls found: {', '.join(calls) or 'none'})")
+        if not re.match(r"\s*auto\s+res\s*=\s*create_response\(\)\s*;", body_code) or not re.search(
+                r"\breturn\s+res\s*;\s*$", body_code):
+            problems.append("does not begin 'auto res = create_response();' and end 'return res;'")
+        if problems:
+            raise TreeError(f"{where}: the handler {'; '.join(problems)}; src/cpp/server_tokenize.cpp gives it only "
+                            + ", ".join(f"{k}.{'/'.join(sorted(v))}" for k, v in HANDLER_SCOPE.items())
+                            + " and create_response(), and must be adapted")
+        line = text.count("\n", 0, m.end()) + 1  # compiler messages name the upstream file and line
+        calls_at = r"\b(" + "|".join(VOCAB_CALLS) + r")(\s*\(\s*ctx_server\s*\.\s*vocab\b)"
+        bodies[name] = f'#line {line} "{SERVER_CONTEXT}"\n' + re.sub(calls_at, r"lp_vocab::\1\2", body)
+    if not bodies:
+        return None
+    if len(bodies) != len(TOKENIZE_HANDLERS):
+        missing = [n for n in TOKENIZE_HANDLERS if n not in bodies]
+        raise TreeError(f"{SERVER_CONTEXT}: 'this->{missing[0]} = [this](const server_http_req & req) {{' not found "
+                        f"(the other handler, {next(iter(bodies))}, is there)")
+    return bodies
+
+
+# ---------------------------------------------------------------------------
 
 
 def cmake_str(s: str) -> str:
@@ -3243,6 +3309,11 @@ def main(argv: list[str]) -> int:
         parser_key_check(tree)
         vocab_check(tree, features)
         fields = vocab_fields(tree, features)
+        handler_bodies = tokenize_handler_bodies(tree)
+        features["serve_tokenize"] = {
+            "present": handler_bodies is not None,
+            "what": f"{SERVER_CONTEXT}: llama-server's POST /tokenize and /detokenize handlers (server_routes' "
+                    "post_tokenize and post_detokenize), which `llamaprompt serve` runs"}
     except TreeError as e:
         print(f"llamaprompt: cannot build against the llama.cpp tree at {tree.root}:\n{e}", file=sys.stderr)
         return 1
@@ -3270,6 +3341,12 @@ def main(argv: list[str]) -> int:
     header.append("#define LP_VOCAB_FIELDS " + ", ".join(json.dumps(n) for n in fields))
     header.append("#define LP_TREE_INFO_JSON " + json.dumps(json.dumps(info, sort_keys=True)))
     text = "\n".join(header) + "\n"
+    for name in TOKENIZE_HANDLERS:
+        inc = out / "generated" / f"lp_{name}.inc"
+        inc_text = (f"// generated by third_party/adapt_tree.py: the body of this->{name} in {SERVER_CONTEXT}\n"
+                    + (handler_bodies[name] if handler_bodies else "") + "\n")
+        if not inc.exists() or inc.read_text() != inc_text:
+            inc.write_text(inc_text)
     target = out / "generated" / "lp_tree.h"
     if not target.exists() or target.read_text() != text:
         target.write_text(text)

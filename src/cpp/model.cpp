@@ -192,25 +192,6 @@ void check_vocab_metadata(const std::string & path) {
     }
 }
 
-// llama_vocab::tokenize asserts a tokenizer, and a BOS/EOS id where the vocab adds them
-void check_tokenize(const llama_vocab * vocab, bool add_special) {
-    if (llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_NONE) {
-        throw error(error_kind::gguf, 0, "this GGUF file has no tokenizer (tokenizer.ggml.model is none)");
-    }
-    if (add_special && llama_vocab_get_add_bos(vocab) && llama_vocab_bos(vocab) == LLAMA_TOKEN_NULL) {
-        throw error(error_kind::gguf, 0, "the vocab adds BOS (add_bos_token) but has no BOS token");
-    }
-    if (add_special && llama_vocab_get_add_eos(vocab) && llama_vocab_eos(vocab) == LLAMA_TOKEN_NULL) {
-        throw error(error_kind::gguf, 0, "the vocab adds EOS (add_eos_token) but has no EOS token");
-    }
-    // the WPM (bert) tokenizer adds [CLS] (BOS) and [SEP] with add_special whatever add_bos says,
-    // and asserts both ids
-    if (add_special && llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_WPM &&
-        (llama_vocab_bos(vocab) == LLAMA_TOKEN_NULL || llama_vocab_sep(vocab) == LLAMA_TOKEN_NULL)) {
-        throw error(error_kind::gguf, 0, "this bert (WPM) vocab has no BOS ([CLS]) or SEP token, which it adds");
-    }
-}
-
 }  // namespace
 
 core_model::core_model(const std::string & path) : path_(path) {
@@ -327,6 +308,24 @@ py::dict gguf_metadata(const std::string & path, size_t max_array_items) {
 }
 
 }  // namespace
+
+void check_tokenize(const llama_vocab * vocab, bool add_special) {
+    if (llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_NONE) {
+        throw error(error_kind::gguf, 0, "this GGUF file has no tokenizer (tokenizer.ggml.model is none)");
+    }
+    if (add_special && llama_vocab_get_add_bos(vocab) && llama_vocab_bos(vocab) == LLAMA_TOKEN_NULL) {
+        throw error(error_kind::gguf, 0, "the vocab adds BOS (add_bos_token) but has no BOS token");
+    }
+    if (add_special && llama_vocab_get_add_eos(vocab) && llama_vocab_eos(vocab) == LLAMA_TOKEN_NULL) {
+        throw error(error_kind::gguf, 0, "the vocab adds EOS (add_eos_token) but has no EOS token");
+    }
+    // the WPM (bert) tokenizer adds [CLS] (BOS) and [SEP] with add_special whatever add_bos says,
+    // and asserts both ids
+    if (add_special && llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_WPM &&
+        (llama_vocab_bos(vocab) == LLAMA_TOKEN_NULL || llama_vocab_sep(vocab) == LLAMA_TOKEN_NULL)) {
+        throw error(error_kind::gguf, 0, "this bert (WPM) vocab has no BOS ([CLS]) or SEP token, which it adds");
+    }
+}
 
 void register_model(py::module_ & m) {
     py::class_<core_model, std::shared_ptr<core_model>>(m, "Model")

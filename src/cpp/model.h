@@ -25,4 +25,8 @@ class core_model {
     std::string path_;
 };
 
+// What llama_vocab's tokenize / token_to_piece assert (a tokenizer; the BOS / EOS / SEP ids it adds
+// with add_special), checked before calling them: error(gguf) when the vocab lacks it
+void check_tokenize(const llama_vocab * vocab, bool add_special);
+
 }  // namespace llamaprompt

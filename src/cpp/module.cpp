@@ -26,6 +26,7 @@ void register_template(py::module_ & m);
 void register_model(py::module_ & m);
 void register_builtin(py::module_ & m);
 void register_parse(py::module_ & m);
+void register_server_tokenize(py::module_ & m);
 }
 
 PYBIND11_MODULE(_core, m) {
@@ -86,4 +87,5 @@ PYBIND11_MODULE(_core, m) {
     llamaprompt::register_model(m);
     llamaprompt::register_builtin(m);
     llamaprompt::register_parse(m);
+    llamaprompt::register_server_tokenize(m);
 }

@@ -24,8 +24,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import Error
+from .errors import Error, FeatureError
 from .template import ChatTemplate
+from .tree import require
 
 __all__ = ["create_app", "serve", "DEFAULT_MAX_BODY_BYTES"]
 
@@ -62,83 +63,25 @@ def _error(status: int, message: str, kind: str | None = None):
     return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
 
 
-def _json_type(value: Any) -> str:
-    """nlohmann::json's type_name() of a parsed JSON value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
-
-
-def _json_value(body: Mapping[str, Any], key: str, default: bool) -> bool:
-    """llama-server's ``json_value(body, key, default)`` for a bool: the value when it is a JSON
-    boolean, else (missing, null, another type: "Wrong type supplied") the default."""
-    value = body.get(key)
-    return value if isinstance(value, bool) else default
-
-
-def _json_int(value: Any) -> int:
-    """nlohmann's ``get<llama_token>()``: a number (an integer wrapped to 32 bits, a float
-    truncated, or INT32_MIN past int32 as x86-64's conversion gives) or a boolean as 0/1; an
-    Error (500, nlohmann's message) for anything else."""
-    if isinstance(value, (bool, int)):
-        return (int(value) + 2**31) % 2**32 - 2**31  # static_cast<int32_t>
-    if isinstance(value, float):  # static_cast<int32_t>(double): as x86-64 does it past int32
-        return int(value) if abs(value) < 2**31 else -(2**31)
-    raise Error(f"[json.exception.type_error.302] type must be number, but is {_json_type(value)}", 500)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is no JSON")
-
-
-def _finite_float(text: str) -> float:
-    x = float(text)
-    if x in (float("inf"), float("-inf")):
-        raise ValueError(f"number overflow parsing {text!r}")  # nlohmann's out_of_range.406
-    return x
-
-
-def _int_or_finite(text: str) -> int | float:
-    n = int(text)
-    return n if -(2**63) <= n < 2**64 else _finite_float(text)  # past 64 bits nlohmann reads a double
-
-
-def _parsed_as_llama_server(t: ChatTemplate, raw: bytes, parsed: Any) -> None:
-    """Raise llama-server's 500 with its JSON parser's message (nlohmann's, taken from llama.cpp's
-    parse of ``raw``) for a body that parser refuses and Python's may not: not JSON at all, not
-    UTF-8 (Python's reads UTF-16/32 too), NaN/Infinity, a number past a double, a lone surrogate
-    escape."""
-    bad = parsed is None and raw.strip() != b"null"
-    if not bad:
-        try:
-            text = (raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw).decode("utf-8")
-            json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int_or_finite)
-            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
-        except (ValueError, UnicodeError):
-            bad = True
-        except RecursionError:  # (read once already: as deep as Python's parser goes)
-            return
-    if bad:
-        try:
-            t.apply_template(raw)
-        except Error as e:
-            if e.message.startswith(("[json.exception.parse_error", "[json.exception.out_of_range")):
-                raise Error(e.message, 500) from None
-
-
-def _check_token_ids(t: ChatTemplate, ids: list[int]) -> None:
-    """The vocab's ``id_to_token.at(id)`` for each id, as llama-server's handlers reach it: a 500
-    with libstdc++'s range-check message for the first id out of range."""
-    n = t.vocab_size
-    for x in ids:
-        if not 0 <= x < n:
-            raise Error(f"vector::_M_range_check: __n (which is {x % 2**64}) >= this->size() (which is {n})", 500)
+def _vocab_handler(t: ChatTemplate, handler: str, raw: bytes) -> Any:
+    """llama-server's ``post_tokenize`` / ``post_detokenize`` (server-context.cpp) run on ``raw``
+    as it runs them: their bodies compiled from the tree (``_core.post_tokenize`` /
+    ``post_detokenize``, src/cpp/server_tokenize.cpp), so the body's parse, the flags' defaults
+    (json_value), mixed content (tokenize_mixed), the ids' casts and every error message are
+    nlohmann's and llama.cpp's. Returns the response's JSON; raises Error with llama-server's
+    status (500 for what the handler throws, 501 without a GGUF vocab or the handlers)."""
+    model = getattr(t, "_model", None)
+    if getattr(t, "gguf_path", None) is None or model is None:
+        raise Error(f"{handler[5:]} needs a GGUF-backed model (serve --gguf, trusted)", 501)
+    try:
+        require("serve_tokenize", f"POST /{handler[5:]}", t._lib)
+    except FeatureError as e:
+        raise Error(e.message, 501) from None
+    status, text = getattr(t._lib, handler)(model, raw)
+    out = json.loads(text)
+    if status != 200:
+        raise Error(out["error"]["message"], status)
+    return out
 
 
 def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
@@ -184,10 +127,10 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
             return _error(413, f"request body larger than {max_body_bytes} bytes")
         try:
             parsed = json.loads(raw) if raw else None
-        except ValueError:
-            parsed = None  # llama.cpp parses the raw body and reports the error
-        except RecursionError:
-            return _error(400, "request is nested too deeply")
+        except (ValueError, RecursionError):
+            # llama.cpp parses the raw body and reports the error; a body deeper than Python's
+            # reader goes (its "model" field unread) to llama.cpp, which reads it as llama-server
+            parsed = None
         chosen = pick(request, parsed)
         if chosen is None:
             return unknown_model()
@@ -221,52 +164,10 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         return {"prompt": t.apply_template(raw)}
 
     def do_tokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
-        # llama-server's post_tokenize (server-context.cpp): no "content" (or a body that is no
-        # object) -> no tokens; flags of the wrong type take their defaults (json_value);
-        # content a string, or an array of strings and token ids (tokenize_mixed)
-        if getattr(t, "gguf_path", None) is None:
-            raise Error("tokenize needs a GGUF-backed model (serve --gguf, trusted)", 501)
-        _parsed_as_llama_server(t, raw, parsed)
-        if not isinstance(parsed, dict) or "content" not in parsed:
-            return {"tokens": []}
-        add_special = _json_value(parsed, "add_special", False)
-        parse_special = _json_value(parsed, "parse_special", True)
-        content = parsed["content"]
-        ids: list[int] = []
-        for i, part in enumerate(content if isinstance(content, list) else [content]):
-            if isinstance(part, str):
-                ids += t.tokenize(part, add_special=add_special and i == 0, parse_special=parse_special).tolist()
-            elif isinstance(content, list):
-                ids.append(_json_int(part))
-            else:
-                raise Error(f"[json.exception.type_error.302] type must be string, but is {_json_type(part)}", 500)
-        if _json_value(parsed, "with_pieces", False):
-            _check_token_ids(t, ids)  # (ids given in "content" are returned unchecked without pieces)
-            out = []
-            for i in ids:
-                piece = t.token_to_piece(i)
-                try:
-                    out.append({"id": i, "piece": piece.decode("utf-8")})
-                except UnicodeDecodeError:
-                    out.append({"id": i, "piece": list(piece)})
-            return {"tokens": out}
-        return {"tokens": ids}
+        return _vocab_handler(t, "post_tokenize", raw)
 
     def do_detokenize(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
-        # llama-server's post_detokenize: no "tokens" (or a body that is no object) -> ""; else
-        # body.at("tokens").get<llama_tokens>() (an array of numbers), tokens_to_str; its
-        # exceptions are 500s
-        if getattr(t, "gguf_path", None) is None:
-            raise Error("detokenize needs a GGUF-backed model (serve --gguf, trusted)", 501)
-        _parsed_as_llama_server(t, raw, parsed)
-        if not isinstance(parsed, dict) or "tokens" not in parsed:
-            return {"content": ""}
-        tokens = parsed["tokens"]
-        if not isinstance(tokens, list):
-            raise Error(f"[json.exception.type_error.302] type must be array, but is {_json_type(tokens)}", 500)
-        ids = [_json_int(x) for x in tokens]
-        _check_token_ids(t, ids)
-        return {"content": t.detokenize(ids)}
+        return _vocab_handler(t, "post_detokenize", raw)
 
     def do_inputs(t: ChatTemplate, raw: bytes, parsed: Any) -> dict:
         if not hasattr(t, "template_inputs"):
