@@ -101,6 +101,40 @@ def test_a_core_built_by_another_python_is_not_usable(tmp_path, monkeypatch):
         cores.find_core("9.9.9")
 
 
+def test_each_python_keeps_its_own_build_of_a_version(tmp_path, monkeypatch, capsys):
+    # the cache is shared by every Python of the user: `cores add` by one replaces its own build of
+    # the commit (the folder-per-commit layout's too), never another Python's, and naming the
+    # version finds this Python's (session 55: the 3.9 and 3.11 builds replaced each other)
+    import importlib.machinery
+    import zipfile
+
+    here = importlib.machinery.EXTENSION_SUFFIXES[0]
+    other = ".cpython-27-x86_64-linux-gnu.so" if "cpython-27" not in here else ".cpython-399-x86_64-linux-gnu.so"
+    monkeypatch.setenv("LLAMAPROMPT_CACHE_DIR", str(tmp_path))
+    meta = {"name": "9.9.9", "commit": "abcdef123", "source": "llama-cpp-python 9.9.9 sdist"}
+    meta["source_hash"] = cores.builtin_core().source_hash
+    for name, suffix in (("abcdef123-cpython-27", other), ("abcdef123", here)):
+        folder = cores.cores_dir() / name
+        folder.mkdir(parents=True)
+        (folder / "core.json").write_text(json.dumps({**meta, "path": str(folder / f"_core{suffix}")}))
+    wheel = tmp_path / "llamaprompt.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"llamaprompt/_core{here}", b"a module")
+    probed = {"commit": "abcdef123", "source": meta["source"], "features": {}, "source_hash": meta["source_hash"]}
+    monkeypatch.setattr(cores, "_probe", lambda ext: probed)
+    core = cores._install(wheel, "9.9.9", tmp_path)
+    assert Path(core.path or "").parent.name == f"abcdef123-{sys.implementation.cache_tag}"
+    assert sorted(p.name for p in cores.cores_dir().iterdir()) == sorted(
+        ["abcdef123-cpython-27", f"abcdef123-{sys.implementation.cache_tag}"]
+    )
+    assert len(cores.installed_cores()) == 2 and cores.find_core("9.9.9") == core
+    assert main(["cores", "list"]) == 0
+    assert f"another Python's (_core{other})" in capsys.readouterr().out
+    assert cores.remove_core("9.9.9") == core
+    with pytest.raises(llamaprompt.CoreError, match="built for another Python"):
+        cores.find_core("9.9.9")
+
+
 def test_builtin_core_is_found_by_name_and_commit():
     here = cores.builtin_core()
     assert here.builtin and here.commit == llamaprompt.LLAMA_CPP_COMMIT

@@ -995,7 +995,12 @@ def _cores(args: argparse.Namespace) -> int:
         feats = f"{len(c.features) - len(missing)}/{len(c.features)}"
         if missing:
             feats += f" (no {', '.join(missing)})"
-        where = "built-in" if c.builtin else (c.path or "") if c.usable else "stale: rebuild with cores add"
+        if c.builtin or c.usable:
+            where = "built-in" if c.builtin else c.path or ""
+        elif not c.for_this_python:
+            where = f"another Python's ({Path(c.path or '').name})"
+        else:
+            where = "stale: rebuild with cores add"
         table.append((c.name, c.commit, c.date or "?", feats, f"{c.size / 2**20:.0f} MiB", where))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
     for r in table:

@@ -6,9 +6,12 @@ The one installed with the package is the *built-in* core (:data:`llamaprompt.LL
 tree -- any llama-cpp-python sdist version listed in ``third_party/llama.cpp.lock``, or a
 llama.cpp checkout -- into the per-user cache::
 
-    ~/.cache/llamaprompt/cores/<commit>/_core.<ext>      the module
-    ~/.cache/llamaprompt/cores/<commit>/core.json        name, commit, source, date, features, ...
-    ~/.cache/llamaprompt/core-builds/<name>-<source>/    its build directory (reused by a rebuild)
+    ~/.cache/llamaprompt/cores/<commit>-<python>/_core.<ext>            the module
+    ~/.cache/llamaprompt/cores/<commit>-<python>/core.json              name, commit, source, date, ...
+    ~/.cache/llamaprompt/core-builds/<name>-<source>-<python>/          its build directory (reused)
+
+(``<python>``: ``sys.implementation.cache_tag``, e.g. ``cpython-311``: each Python of the user
+keeps its own build of a tree.)
 
 (``$LLAMAPROMPT_CACHE_DIR`` replaces ``~/.cache/llamaprompt``.) ``ChatTemplate(...,
 llama_cpp="0.3.33")`` then renders with that core.
@@ -228,7 +231,8 @@ def find_core(spec: str | None) -> Core:
     if not spec or spec == "builtin" or here.matches(spec):
         return here
     cores = installed_cores()
-    for core in cores:
+    # one version may be installed for several Pythons (each its own folder): this one's first
+    for core in sorted(cores, key=lambda c: (not c.usable, not c.for_this_python)):
         if core.matches(spec):
             if not core.usable:
                 why = (
@@ -376,9 +380,10 @@ def add_core(
         key = "dir-" + hashlib.sha256(str(tree).encode()).hexdigest()[:12]
         env["LLAMAPROMPT_LLAMA_CPP_DIR"] = str(tree)
         env.pop("LLAMAPROMPT_LLAMA_CPP", None)
-    # one build directory per tree and source checkout (CMake refuses a build directory
-    # configured from another source folder)
-    build_dir = cache_dir() / "core-builds" / f"{key}-{hashlib.sha256(str(src).encode()).hexdigest()[:8]}"
+    # one build directory per tree, source checkout and Python (CMake refuses a build directory
+    # configured from another source folder, and keeps the Python it found in its cache)
+    checkout = hashlib.sha256(str(src).encode()).hexdigest()[:8]
+    build_dir = cache_dir() / "core-builds" / f"{key}-{checkout}-{sys.implementation.cache_tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     env["SKBUILD_BUILD_DIR"] = str(build_dir)
     env.pop(CORE_ENV, None)
@@ -457,7 +462,10 @@ def _install(wheel: Path, version: str | None, src: Path) -> Core:
     versions = _versions(src)
     name = version or next((v for v, e in versions.items() if e.get("commit") == commit), None) or commit
     date = (versions.get(name) or {}).get("date")
-    folder = cores_dir() / (commit if commit != "unknown" else "unknown-" + info["source_hash"][:12])
+    # a folder per commit and Python (the cache is shared by every interpreter of the user: a 3.9
+    # and a 3.11 each keep their build of a version)
+    base = commit if commit != "unknown" else "unknown-" + info["source_hash"][:12]
+    folder = cores_dir() / f"{base}-{sys.implementation.cache_tag}"
     core = Core(
         name=name,
         commit=commit,
@@ -473,6 +481,11 @@ def _install(wheel: Path, version: str | None, src: Path) -> Core:
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(staging, folder)
+    # the build it replaces for this Python in another folder (the layout before: one per commit)
+    for old in installed_cores():
+        old_folder = Path(old.path or "").parent
+        if old.commit == commit and old.for_this_python and old_folder != folder and old_folder.parent == cores_dir():
+            shutil.rmtree(old_folder, ignore_errors=True)
     return core
 
 
@@ -491,9 +504,10 @@ def _probe(ext: Path) -> dict[str, Any]:
 
 
 def remove_core(spec: str) -> Core:
-    """Delete an installed core (by name or commit prefix). Returns what was removed.
+    """Delete an installed core (by name or commit prefix): this Python's build of it, else the
+    first other one. Returns what was removed.
     Raises CoreError when none matches; the built-in core cannot be removed."""
-    for core in installed_cores():
+    for core in sorted(installed_cores(), key=lambda c: not c.for_this_python):
         if core.matches(spec):
             shutil.rmtree(Path(core.path or "").parent, ignore_errors=True)
             return core
