@@ -135,6 +135,18 @@ def test_each_python_keeps_its_own_build_of_a_version(tmp_path, monkeypatch, cap
         cores.find_core("9.9.9")
 
 
+def test_cores_list_counts_the_features_whose_absence_loses_something(capsys):
+    # the other features only name the shape of an upstream interface (older trees': e.g.
+    # server_task_params), which a new user read as the built-in core missing something
+    losses = llamaprompt.tree_info()["losses"]
+    assert "serve_tokenize" in losses and "parse" in losses and "server_task_params" not in losses
+    assert main(["cores", "list"]) == 0
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.endswith("built-in"))
+    have = [k for k in losses if llamaprompt.features[k]]
+    assert f"{len(have)}/{len(losses)}" in line
+    assert not any(k in line for k in llamaprompt.features if k not in losses)
+
+
 def test_builtin_core_is_found_by_name_and_commit():
     here = cores.builtin_core()
     assert here.builtin and here.commit == llamaprompt.LLAMA_CPP_COMMIT

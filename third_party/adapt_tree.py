@@ -3329,6 +3329,7 @@ def main(argv: list[str]) -> int:
 
     info = {"features": {k: v["present"] for k, v in features.items()},
             "feature_docs": {k: v["what"] for k, v in features.items()},
+            "losses": [name for name in LOSSES if name in features],
             "rewrites": rewrites, "notes": notes, "vocab_fields": fields, "prompt_only_handlers": verdicts,
             "prompt_only_generator": generator_verdict,
             "handler_choice_by_source": "; ".join(choice_problems) or True}

@@ -48,6 +48,7 @@ from .pinned import DEFAULT_TEMPLATE, pinned_template, pinned_templates
 from .samples import PLAIN_SAMPLE_REQUEST, SAMPLE_REQUEST
 from .template import ChatTemplate
 from .text import json_safe
+from .tree import tree_info
 
 __all__ = ["main"]
 
@@ -309,7 +310,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--request", required=True, metavar="REQUEST.json", help="the request the output answers")
     p.add_argument("output", metavar="OUTPUT.txt", help="generated text, or - for stdin")
     p.add_argument("--partial", action="store_true", help="parse as an unfinished generation")
-    p.add_argument("--stream", action="store_true", help="print streaming deltas (fed in 8-character chunks)")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="print streaming deltas (fed in 8-character chunks; each chunk parses the output so far again, "
+        "as llama-server does per token, so long outputs take a while)",
+    )
 
     p = sub.add_parser(
         "render-dataset",
@@ -440,7 +446,8 @@ def _parser() -> argparse.ArgumentParser:
         "cores",
         help="build, list and remove cores for other llama.cpp trees (llama_cpp=, --llama-cpp)",
         description="A core is llamaprompt's C++ module built against one llama.cpp tree. The package has one "
-        "built in; 'cores add' builds more into the per-user cache (~/.cache/llamaprompt/cores; minutes, "
+        "built in; 'cores add' builds more into the per-user cache ($LLAMAPROMPT_CACHE_DIR/cores, else "
+        "$XDG_CACHE_HOME/llamaprompt/cores or ~/.cache/llamaprompt/cores; a folder per commit and Python; minutes, "
         "incremental afterwards), and every command's --llama-cpp VERSION (ChatTemplate(llama_cpp=...)) then "
         "renders with it, in a worker process.",
     )
@@ -554,7 +561,10 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="serve llama-server's /apply-template, /props, /tokenize ... with no model",
         description="A model-free llama-server-compatible HTTP endpoint (needs: pip install 'llamaprompt[server]'). "
-        'Several templates at once: pick one with a "model" field or ?model=NAME (names: file names).',
+        'Several templates at once: pick one with a "model" field or ?model=NAME (names: file names). '
+        "The default is the first: --template, --templates and --pinned files in that order, then --gguf "
+        "files, whatever their order on the command line (so /tokenize without a model name needs the "
+        "GGUF first or alone).",
     )
     _multi_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -989,10 +999,14 @@ def _cores(args: argparse.Namespace) -> int:
     if args.json:
         _print_json([{**vars(c), "usable": c.usable} for c in rows])
         return 0
+    # the features whose absence loses something (the others name the shape of an upstream
+    # interface); usable cores are built from these sources, so the package's list is theirs
+    losses = tree_info().get("losses")
     table = [("NAME", "COMMIT", "DATE", "FEATURES", "SIZE", "WHERE")]
     for c in rows:
-        missing = [k for k, v in c.features.items() if not v]
-        feats = f"{len(c.features) - len(missing)}/{len(c.features)}"
+        shown = [k for k in c.features if losses is None or k in losses]
+        missing = [k for k in shown if not c.features[k]]
+        feats = f"{len(shown) - len(missing)}/{len(shown)}"
         if missing:
             feats += f" (no {', '.join(missing)})"
         if c.builtin or c.usable:

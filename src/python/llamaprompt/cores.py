@@ -13,13 +13,14 @@ llama.cpp checkout -- into the per-user cache::
 (``<python>``: ``sys.implementation.cache_tag``, e.g. ``cpython-311``: each Python of the user
 keeps its own build of a tree.)
 
-(``$LLAMAPROMPT_CACHE_DIR`` replaces ``~/.cache/llamaprompt``.) ``ChatTemplate(...,
-llama_cpp="0.3.33")`` then renders with that core.
+(``$LLAMAPROMPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/llamaprompt``, replaces
+``~/.cache/llamaprompt``.) ``ChatTemplate(..., llama_cpp="0.3.33")`` then renders with that core.
 
 Where the other core runs: in a **worker process**, one per core per process, started on first
-use. Each core links its own copy of llama.cpp, ggml and common, and the module exports those
-symbols (default visibility), so two cores in one process could bind each other's functions;
-the worker loads only its own. Results, errors and exactness are the core's own; the cost is
+use. Each core links its own copy of llama.cpp, ggml and common (its module exports only
+``PyInit__core``), but every core is the same extension module -- one import name, the same
+pybind11 types -- so one interpreter holds one; the worker loads only its own. Results, errors
+and exactness are the core's own; the cost is
 an IPC round trip per call (tens of microseconds). Setting ``LLAMAPROMPT_CORE=<name|commit|path>``
 before importing llamaprompt makes that core the in-process one instead (this is what the
 worker does, and how a test suite runs against another tree).

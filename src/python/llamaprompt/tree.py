@@ -34,6 +34,8 @@ features: dict[str, bool] = dict(_INFO["features"])
 def tree_info() -> dict[str, Any]:
     """What the build found in its llama.cpp tree: ``commit``, ``source``, ``features``
     (name -> bool), ``feature_docs`` (name -> the upstream declaration it stands for),
+    ``losses`` (the features whose absence means llamaprompt gives less on a tree; the others
+    only say which shape of an upstream interface the bindings compile for),
     ``rewrites`` (each renamed call site: file, pattern, applied or skipped and what is
     lost), ``notes`` (the configure messages), ``tree_dir`` (the tree's folder when
     the module was built; it may be gone since) and ``caps_keys`` (the tree's
