@@ -10,11 +10,10 @@ llama.cpp checkout -- into the per-user cache::
     ~/.cache/llamaprompt/cores/<commit>-<python>/core.json              name, commit, source, date, ...
     ~/.cache/llamaprompt/core-builds/<name>-<source>-<python>/          its build directory (reused)
 
-(``<python>``: ``sys.implementation.cache_tag``, e.g. ``cpython-311``: each Python of the user
-keeps its own build of a tree.)
-
-(``$LLAMAPROMPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/llamaprompt``, replaces
-``~/.cache/llamaprompt``.) ``ChatTemplate(..., llama_cpp="0.3.33")`` then renders with that core.
+(``<python>``: ``sys.implementation.cache_tag``, e.g. ``cpython-311``, so that each Python of the
+user keeps its own build of a tree; ``$LLAMAPROMPT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/llamaprompt``, replaces ``~/.cache/llamaprompt``.) ``ChatTemplate(...,
+llama_cpp="0.3.33")`` then renders with that core.
 
 Where the other core runs: in a **worker process**, one per core per process, started on first
 use. Each core links its own copy of llama.cpp, ggml and common (its module exports only
@@ -84,6 +83,11 @@ def cache_dir() -> Path:
 def cores_dir() -> Path:
     """Where installed cores live: ``cache_dir() / "cores"``."""
     return cache_dir() / "cores"
+
+
+def _python_tag() -> str:
+    """This interpreter's tag in the cache's folder names (``cpython-311``)."""
+    return sys.implementation.cache_tag or sys.implementation.name
 
 
 def source_hash(root: str | os.PathLike[str]) -> str:
@@ -239,7 +243,7 @@ def find_core(spec: str | None) -> Core:
                 why = (
                     "from other llamaprompt sources than this package"
                     if core.source_hash != _installed_hash()
-                    else f"for another Python ({Path(core.path or '').name}; this is {sys.implementation.cache_tag})"
+                    else f"for another Python ({Path(core.path or '').name}; this is {_python_tag()})"
                 )
                 raise CoreError(
                     f"the llama.cpp {core.label()} core in {Path(core.path or '').parent} was built {why}; "
@@ -384,7 +388,7 @@ def add_core(
     # one build directory per tree, source checkout and Python (CMake refuses a build directory
     # configured from another source folder, and keeps the Python it found in its cache)
     checkout = hashlib.sha256(str(src).encode()).hexdigest()[:8]
-    build_dir = cache_dir() / "core-builds" / f"{key}-{checkout}-{sys.implementation.cache_tag}"
+    build_dir = cache_dir() / "core-builds" / f"{key}-{checkout}-{_python_tag()}"
     build_dir.mkdir(parents=True, exist_ok=True)
     env["SKBUILD_BUILD_DIR"] = str(build_dir)
     env.pop(CORE_ENV, None)
@@ -466,7 +470,7 @@ def _install(wheel: Path, version: str | None, src: Path) -> Core:
     # a folder per commit and Python (the cache is shared by every interpreter of the user: a 3.9
     # and a 3.11 each keep their build of a version)
     base = commit if commit != "unknown" else "unknown-" + info["source_hash"][:12]
-    folder = cores_dir() / f"{base}-{sys.implementation.cache_tag}"
+    folder = cores_dir() / f"{base}-{_python_tag()}"
     core = Core(
         name=name,
         commit=commit,
