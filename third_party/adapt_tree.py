@@ -22,6 +22,10 @@ than let the build compile something that behaves differently:
   its pattern is not found exactly as stated builds without it, with a message -- and
   ``--no-engine-rewrites`` (CMake: LLAMAPROMPT_ENGINE_REWRITES=OFF) leaves them all out:
   the unmodified engine, for the differential run (benchmarks/engine_differential.py).
+* handler copies: the bodies of llama-server's POST /tokenize and /detokenize handlers
+  (tools/server/server-context.cpp), copied to OUT_DIR/generated/lp_post_*.inc for
+  src/cpp/server_tokenize.cpp, after checking that they use nothing of the server but the vocab
+  (configuration fails naming the handler and the text otherwise).
 * drift checks: upstream logic that llamaprompt's own code restates (how llama-server
   fills ``server_chat_params``, the flags whose handlers exit, the vocab conditions that
   llama.cpp asserts, the fields the parser-inputs key covers, the prompt-only path's
