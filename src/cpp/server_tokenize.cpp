@@ -50,7 +50,7 @@ std::string tokens_to_str(const llama_vocab * vocab, Args &&... args) {
 
 }  // namespace lp_vocab
 
-// what server_routes' handlers see of llama-server
+// what server_routes' handlers see of llama-server: the request, ctx_server, the response
 struct handler_request {
     std::string body;
 };
@@ -71,33 +71,37 @@ struct handler_response {
     }
 };
 
-using handler_result = std::pair<int, std::string>;
+// server_routes as its two handlers see it: each method's body is the tree's lambda body
+struct handler_routes {
+    handler_server ctx_server;
 
-handler_result post_tokenize(const core_model & mdl, std::string body) {
-    const handler_server ctx_server{mdl.vocab()};
-    auto create_response = []() { return std::make_unique<handler_response>(); };
-    auto handler = [&](const handler_request & req) {
+    static std::unique_ptr<handler_response> create_response() { return std::make_unique<handler_response>(); }
+
+    std::unique_ptr<handler_response> post_tokenize(const handler_request & req) const {
 #include "lp_post_tokenize.inc"
-    };
-    auto res = handler(handler_request{std::move(body)});
-    return {res->status, std::move(res->data)};
-}
+    }
 
-handler_result post_detokenize(const core_model & mdl, std::string body) {
-    const handler_server ctx_server{mdl.vocab()};
-    auto create_response = []() { return std::make_unique<handler_response>(); };
-    auto handler = [&](const handler_request & req) {
+    std::unique_ptr<handler_response> post_detokenize(const handler_request & req) const {
 #include "lp_post_detokenize.inc"
-    };
-    auto res = handler(handler_request{std::move(body)});
+    }
+};
+
+using handler_result = std::pair<int, std::string>;
+using handler_method = std::unique_ptr<handler_response> (handler_routes::*)(const handler_request &) const;
+
+handler_result run_route(const core_model & mdl, handler_method route, std::string body) {
+    const handler_routes routes{handler_server{mdl.vocab()}};
+    auto res = (routes.*route)(handler_request{std::move(body)});
     return {res->status, std::move(res->data)};
 }
 
 // (status, response body as JSON text), the GIL released while the handler runs; an exception
 // of the handler is a llamaprompt error (call_upstream), as llama-server's 500 / 400
-template <typename F>
-py::tuple run_handler(F && handler) {
-    handler_result out = call_upstream(handler);
+py::tuple run_handler(const core_model * mdl, handler_method route, const std::string & body) {
+    if (!mdl) {
+        throw py::type_error("model must be a _core.Model");
+    }
+    handler_result out = call_upstream([&]() { return run_route(*mdl, route, body); });
     return py::make_tuple(out.first, text_to_py(out.second));
 }
 
@@ -111,10 +115,10 @@ void register_server_tokenize(py::module_ & m) {
     (void) m;
 #else
     m.def("post_tokenize", [](std::shared_ptr<core_model> mdl, const std::string & body) {
-        return run_handler([&]() { return post_tokenize(*mdl, body); });
+        return run_handler(mdl.get(), &handler_routes::post_tokenize, body);
     }, py::arg("model"), py::arg("body"));
     m.def("post_detokenize", [](std::shared_ptr<core_model> mdl, const std::string & body) {
-        return run_handler([&]() { return post_detokenize(*mdl, body); });
+        return run_handler(mdl.get(), &handler_routes::post_detokenize, body);
     }, py::arg("model"), py::arg("body"));
 #endif
 }
