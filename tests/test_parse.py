@@ -407,6 +407,48 @@ def test_cli_parse(tmp_path):
     assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "hm"
 
 
+def test_cli_parse_stream_chunk_and_partial(tmp_path):
+    # --chunk sets the characters per feed: one chunk larger than the output gives fewer deltas
+    # than one character at a time, the same tool call; --partial stops without the final parse,
+    # which fails an output Command R+ cannot accept when tools are offered
+    import subprocess
+    import sys
+
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"messages": USER, "tools": [WEATHER]}))
+    out = tmp_path / "out.txt"
+    out.write_text('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+    def run(template, output, *extra):
+        cli = [
+            sys.executable,
+            "-m",
+            "llamaprompt.cli",
+            "parse",
+            "--template",
+            str(llamaprompt.pinned_template(template)),
+        ]
+        return subprocess.run([*cli, "--request", str(req), str(output), "--stream", *extra], capture_output=True)
+
+    lines = {}
+    for chunk in ("1", "1000"):
+        proc = run("Qwen-Qwen3-0.6B.jinja", out, "--chunk", chunk)
+        assert proc.returncode == 0, proc.stderr
+        deltas = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert "".join(tc["function"].get("name", "") for tc in calls) == "get_weather"
+        assert json.loads("".join(tc["function"].get("arguments", "") for tc in calls)) == {"city": "Paris"}
+        lines[chunk] = len(deltas)
+    assert lines["1"] > lines["1000"]
+    assert run("Qwen-Qwen3-0.6B.jinja", out, "--chunk", "0").returncode == 2
+    prose = tmp_path / "prose.txt"
+    prose.write_text("Hello there")
+    finished = run("CohereForAI-c4ai-command-r-plus-tool_use.jinja", prose)
+    assert finished.returncode != 0 and b"does not match the expected" in finished.stderr
+    unfinished = run("CohereForAI-c4ai-command-r-plus-tool_use.jinja", prose, "--partial")
+    assert unfinished.returncode == 0, unfinished.stderr
+
+
 def test_stream_parser_fed_from_threads_keeps_every_chunk(qwen3):
     # feed() updates the parser with the GIL released: concurrent feeds of one parser are
     # serialized (no data race), so every chunk is in the final message exactly once

@@ -309,12 +309,24 @@ def _parser() -> argparse.ArgumentParser:
     _template_options(p)
     p.add_argument("--request", required=True, metavar="REQUEST.json", help="the request the output answers")
     p.add_argument("output", metavar="OUTPUT.txt", help="generated text, or - for stdin")
-    p.add_argument("--partial", action="store_true", help="parse as an unfinished generation")
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="parse as an unfinished generation (with --stream: stop after the last chunk, without the final parse)",
+    )
     p.add_argument(
         "--stream",
         action="store_true",
-        help="print streaming deltas (fed in 8-character chunks; each chunk parses the output so far again, "
-        "as llama-server does per token, so long outputs take a while)",
+        help="print the streaming deltas as llama-server sends them, one line per delta, as each chunk is fed "
+        "(each chunk parses the output so far again, as llama-server does per token: long outputs in small "
+        "chunks take a while)",
+    )
+    p.add_argument(
+        "--chunk",
+        type=_int_in(1),
+        default=8,
+        metavar="N",
+        help="with --stream: characters (code points) fed at a time, like a token's text (default 8)",
     )
 
     p = sub.add_parser(
@@ -917,10 +929,16 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             text = _read_bytes(args.output).decode("utf-8", "surrogateescape")
             if args.stream:
                 stream = params.stream_parser()
-                deltas = [d for i in range(0, len(text), 8) for d in stream.feed(text[i : i + 8])]
-                deltas += stream.finish()
-                for d in deltas:
-                    sys.stdout.write(json.dumps(d, ensure_ascii=False) + "\n")
+
+                def emit(deltas: list[dict[str, Any]]) -> None:
+                    for d in deltas:
+                        sys.stdout.write(json.dumps(d, ensure_ascii=False) + "\n")
+                    sys.stdout.flush()
+
+                for i in range(0, len(text), args.chunk):
+                    emit(stream.feed(text[i : i + args.chunk]))
+                if not args.partial:  # the end of the generation: the final parse
+                    emit(stream.finish())
             else:
                 _print_json(params.parse(text, partial=args.partial))
         elif args.command == "describe":
