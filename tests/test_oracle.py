@@ -214,6 +214,10 @@ def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
         "caps_null": lambda d: d["templates"][name].update(caps=None),
         "bos_number": lambda d: d["templates"][name].update(bos_token=5),
         "server_args_text": lambda d: d["templates"][name].update(server_args="x"),
+        # the GGUF an entry came from (the build before: kind unread unless "gguf", then a
+        # TypeError about os.PathLike for a numeric path, not naming the file)
+        "kind_unknown": lambda d: d["templates"][name].update(kind="safetensors"),
+        "path_number": lambda d: d["templates"][name].update(kind="gguf", path=5),
         "error_number": lambda d: d["templates"][name]["cases"].update(x={"status": 500, "error": 5}),
         "prompt_null": lambda d: d["templates"][name]["cases"].update(x={"status": 200, "prompt": None}),
         # a case whose request is not in "requests" (the trial of session 55: "KeyError: 'x'",

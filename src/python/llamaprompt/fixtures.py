@@ -261,6 +261,10 @@ def _entry_problem(entry: Mapping[str, Any]) -> str | None:
     args = entry.get("server_args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         return '"server_args" is not a list of strings'
+    if entry.get("kind", "file") not in ("file", "gguf"):
+        return f'"kind" is {entry["kind"]!r}, not "file" or "gguf"'
+    if not isinstance(entry.get("path"), (str, type(None))):
+        return '"path" is not a string or null'
     return None
 
 
