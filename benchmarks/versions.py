@@ -211,9 +211,11 @@ def probe_version(version: str) -> dict:
 
 
 def fmt_features(r: dict) -> tuple[str, str]:
+    """(present, missing): the features whose absence loses something (tree_info's "losses";
+    rows recorded before it existed: the six such features they knew)."""
     info = r.get("tree_info") or {}
     feats = info.get("features") or {}
-    shown = [
+    shown = info.get("losses") or [
         "caps_reasoning_effort",
         "thinking_end_tags",
         "message_delimiters",

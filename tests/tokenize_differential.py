@@ -5,10 +5,12 @@ JSON, no object, UTF-16, nested 5,000 deep ...) sent to both, with the same GGUF
 answer's status and JSON compared.
 
     python tests/tokenize_differential.py LLAMA_SERVER [--model M.gguf] [--bodies N] [--json OUT]
+                                          [--llama-cpp VERSION]
 
 llama-server is started with ``-m`` the model (default: a tiny model written by
 benchmarks/tiny_model.py, whose vocab is a real one) and a pinned template; llamaprompt serves
-``ChatTemplate.from_gguf(model)`` over uvicorn in this process. Exit status: 0 when no answer
+``ChatTemplate.from_gguf(model)`` over uvicorn in this process (``--llama-cpp``: with that
+installed core, for a llama-server of another tree). Exit status: 0 when no answer
 differs, 1 otherwise (the first differences are printed), 2 when a server cannot start.
 """
 
@@ -132,12 +134,13 @@ class _Uvicorn:
         self.thread.join(10)
 
 
-def compare(binary: str, model: Path, n_random: int) -> dict[str, Any]:
+def compare(binary: str, model: Path, n_random: int, llama_cpp: str | None = None) -> dict[str, Any]:
     import llamaprompt
     from llamaprompt import bench
     from llamaprompt.server import create_app
 
-    app = create_app({"m": llamaprompt.ChatTemplate.from_gguf(model)})
+    served = llamaprompt.ChatTemplate.from_gguf(model, llama_cpp=llama_cpp)
+    app = create_app({"m": served})
     cases = bodies(n_random)
     differences = []
     with (
@@ -160,7 +163,7 @@ def compare(binary: str, model: Path, n_random: int) -> dict[str, Any]:
         theirs.close()
         ours.close()
     return {
-        "llama_cpp_commit": llamaprompt.LLAMA_CPP_COMMIT,
+        "llama_cpp_commit": served.llama_cpp_commit,
         "model": model.name,
         "bodies": len(cases),
         "answers_compared": 2 * len(cases),
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="the GGUF both serve (default: a tiny model, written here)")
     ap.add_argument("--bodies", type=int, default=300, help="random bodies besides the fixed ones (300)")
     ap.add_argument("--json", type=Path, help="write the counts here")
+    ap.add_argument("--llama-cpp", help="serve with this installed core (a llama.cpp version: `llamaprompt cores`)")
     args = ap.parse_args(argv)
     if not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
         ap.error(f"{args.llama_server}: not an executable file")
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             model = Path(tmp) / "tiny.gguf"
             tiny_model.write_tiny_model(model, tiny_model.default_vocab())
         try:
-            result = compare(args.llama_server, model, args.bodies)
+            result = compare(args.llama_server, model, args.bodies, args.llama_cpp)
         except (RuntimeError, OSError) as e:
             print(f"tokenize_differential: a server could not start: {e}", file=sys.stderr)
             return 2
