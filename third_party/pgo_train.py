@@ -57,10 +57,11 @@ def _train(module_path: str, package_dir: str, templates_dir: str, requests_json
     rendered = refused = 0
     for path in templates:
         try:
-            # (source, bos, eos, add_bos, add_eos, server_args, media_marker, fetch_remote_media,
-            #  caps, skip_specialized, fast_path, timeout, max_output_bytes, max_tools)
-            tmpl = core.Template(path.read_bytes(), b"<s>", b"</s>", False, False, [], b"<__media__>",
-                                 False, {}, False, True, 10.0, 1 << 26, 4096)
+            tmpl = core.Template(
+                source=path.read_bytes(), bos_token=b"<s>", eos_token=b"</s>", add_bos=False, add_eos=False,
+                server_args=[], media_marker=b"<__media__>", fetch_remote_media=False, caps={},
+                skip_specialized=False, fast_path=True, timeout=10.0, max_output_bytes=1 << 26, max_tools=4096,
+            )
         except Exception:  # a template llama.cpp refuses: its error path is trained too
             refused += 1
             continue
