@@ -374,6 +374,10 @@ def test_qwen3_syntax(qwen3):
 
 
 def test_cli_parse(tmp_path):
+    # the message, and with --stream the deltas: --chunk sets the characters per feed (one chunk
+    # larger than the output gives fewer deltas than one character at a time, the same tool
+    # call); --partial stops without the final parse, which fails an output Command R+ cannot
+    # accept when tools are offered
     import subprocess
     import sys
 
@@ -383,69 +387,32 @@ def test_cli_parse(tmp_path):
     out.write_text(
         '<think>\nhm\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     )
-    cli = [
-        sys.executable,
-        "-m",
-        "llamaprompt.cli",
-        "parse",
-        "--template",
-        str(llamaprompt.pinned_template("Qwen-Qwen3-0.6B.jinja")),
-        "--request",
-        str(req),
-        str(out),
-    ]
-    proc = subprocess.run(cli, capture_output=True)
+
+    def run(output, *extra, template="Qwen-Qwen3-0.6B.jinja"):
+        cli = [sys.executable, "-m", "llamaprompt.cli", "parse", "-t", str(llamaprompt.pinned_template(template))]
+        return subprocess.run([*cli, "--request", str(req), str(output), *extra], capture_output=True)
+
+    proc = run(out)
     assert proc.returncode == 0, proc.stderr
     msg = json.loads(proc.stdout)
     assert _is_intended(msg) and msg["reasoning_content"].strip() == "hm"
-    cli.append("--stream")
-    proc = subprocess.run(cli, capture_output=True)
-    assert proc.returncode == 0, proc.stderr
-    deltas = [json.loads(line) for line in proc.stdout.decode().splitlines()]
-    names = "".join(tc.get("function", {}).get("name", "") for d in deltas for tc in d.get("tool_calls", []))
-    assert names == "get_weather"
-    assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "hm"
-
-
-def test_cli_parse_stream_chunk_and_partial(tmp_path):
-    # --chunk sets the characters per feed: one chunk larger than the output gives fewer deltas
-    # than one character at a time, the same tool call; --partial stops without the final parse,
-    # which fails an output Command R+ cannot accept when tools are offered
-    import subprocess
-    import sys
-
-    req = tmp_path / "req.json"
-    req.write_text(json.dumps({"messages": USER, "tools": [WEATHER]}))
-    out = tmp_path / "out.txt"
-    out.write_text('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
-
-    def run(template, output, *extra):
-        cli = [
-            sys.executable,
-            "-m",
-            "llamaprompt.cli",
-            "parse",
-            "--template",
-            str(llamaprompt.pinned_template(template)),
-        ]
-        return subprocess.run([*cli, "--request", str(req), str(output), "--stream", *extra], capture_output=True)
-
     lines = {}
-    for chunk in ("1", "1000"):
-        proc = run("Qwen-Qwen3-0.6B.jinja", out, "--chunk", chunk)
+    for extra in ([], ["--chunk", "1"], ["--chunk", "1000"]):
+        proc = run(out, "--stream", *extra)
         assert proc.returncode == 0, proc.stderr
         deltas = [json.loads(line) for line in proc.stdout.decode().splitlines()]
         calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
         assert "".join(tc["function"].get("name", "") for tc in calls) == "get_weather"
         assert json.loads("".join(tc["function"].get("arguments", "") for tc in calls)) == {"city": "Paris"}
-        lines[chunk] = len(deltas)
-    assert lines["1"] > lines["1000"]
-    assert run("Qwen-Qwen3-0.6B.jinja", out, "--chunk", "0").returncode == 2
+        assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "hm"
+        lines[" ".join(extra)] = len(deltas)
+    assert lines["--chunk 1"] > lines[""] > lines["--chunk 1000"]
+    assert run(out, "--stream", "--chunk", "0").returncode == 2
     prose = tmp_path / "prose.txt"
     prose.write_text("Hello there")
-    finished = run("CohereForAI-c4ai-command-r-plus-tool_use.jinja", prose)
+    finished = run(prose, "--stream", template="CohereForAI-c4ai-command-r-plus-tool_use.jinja")
     assert finished.returncode != 0 and b"does not match the expected" in finished.stderr
-    unfinished = run("CohereForAI-c4ai-command-r-plus-tool_use.jinja", prose, "--partial")
+    unfinished = run(prose, "--stream", "--partial", template="CohereForAI-c4ai-command-r-plus-tool_use.jinja")
     assert unfinished.returncode == 0, unfinished.stderr
 
 
