@@ -130,9 +130,18 @@ def test_each_python_keeps_its_own_build_of_a_version(tmp_path, monkeypatch, cap
     assert len(cores.installed_cores()) == 2 and cores.find_core("9.9.9") == core
     assert main(["cores", "list"]) == 0
     assert f"another Python's (_core{other})" in capsys.readouterr().out
+    # removing it removes its build directories (any checkout; the untagged ones of the layout
+    # before), not another Python's or another version's whose name starts the same
+    tag = sys.implementation.cache_tag
+    builds = ["9.9.9-0123abcd-" + tag, "9.9.9-89abcdef-" + tag, "9.9.9-0123abcd", "9.9.9-0123abcd-cpython-27"]
+    builds += ["9.9.90-0123abcd-" + tag, "0.9.9.9-0123abcd-" + tag]
+    for name in builds:
+        (cores.cache_dir() / "core-builds" / name).mkdir(parents=True)
+    assert core.build_key == "9.9.9"
     assert cores.remove_core("9.9.9") == core
     with pytest.raises(llamaprompt.CoreError, match="built for another Python"):
         cores.find_core("9.9.9")
+    assert sorted(p.name for p in (cores.cache_dir() / "core-builds").iterdir()) == sorted(builds[3:])
 
 
 def test_cores_list_counts_the_features_whose_absence_loses_something(capsys):

@@ -478,7 +478,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     c = csub.add_parser("list", help="the built-in core and the installed ones: commit, date, features, size")
     c.add_argument("--json", action="store_true", help="print JSON")
-    c = csub.add_parser("remove", help="delete an installed core")
+    c = csub.add_parser("remove", help="delete an installed core and its build directories")
     c.add_argument("name", metavar="VERSION|COMMIT", help="an installed core's version or commit (cores list)")
 
     p = sub.add_parser(
@@ -1011,7 +1011,7 @@ def _cores(args: argparse.Namespace) -> int:
         return 0
     if args.cores_command == "remove":
         core = cores.remove_core(args.name)
-        print(f"llamaprompt: removed the llama.cpp {core.label()} core")
+        print(f"llamaprompt: removed the llama.cpp {core.label()} core and its build directories")
         return 0
     rows = [cores.builtin_core(), *cores.installed_cores()]
     if args.json:

@@ -131,6 +131,9 @@ class Core:
         source_hash: :func:`source_hash` of the llamaprompt sources it was built from.
         builtin: True for the core installed with the package (runs in-process).
         built_at: when ``cores add`` built it (ISO 8601, UTC), None for the built-in core.
+        build_key: the first part of its build directories' names under
+            ``cache_dir()/core-builds`` (the version, or ``dir-<hash>`` for a llama.cpp folder);
+            None for the built-in core and for cores installed before it was recorded.
     """
 
     name: str
@@ -143,6 +146,7 @@ class Core:
     source_hash: str = ""
     builtin: bool = False
     built_at: str | None = None
+    build_key: str | None = None
 
     @property
     def usable(self) -> bool:
@@ -409,7 +413,7 @@ def add_core(
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise CoreError(f"the build produced no wheel (full log: {log_path})")
-        return _install(wheels[0], version, src)
+        return _install(wheels[0], version, src, build_key=key)
 
 
 def _run_build(cmd: list[str], env: dict[str, str], log_path: Path, progress: Any, what: str) -> tuple[int, str]:
@@ -449,7 +453,7 @@ def _run_build(cmd: list[str], env: dict[str, str], log_path: Path, progress: An
     return rc, "".join(chunks)
 
 
-def _install(wheel: Path, version: str | None, src: Path) -> Core:
+def _install(wheel: Path, version: str | None, src: Path, build_key: str | None = None) -> Core:
     with zipfile.ZipFile(wheel) as zf:
         names = [n for n in zf.namelist() if re.fullmatch(r"llamaprompt/_core\.[^/]*(so|pyd)", n)]
         if not names:
@@ -481,6 +485,7 @@ def _install(wheel: Path, version: str | None, src: Path) -> Core:
         size=ext.stat().st_size,
         source_hash=info["source_hash"],
         built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        build_key=build_key or version,
     )
     (staging / "core.json").write_text(json.dumps(asdict(core), indent=2) + "\n")
     if folder.exists():
@@ -508,13 +513,32 @@ def _probe(ext: Path) -> dict[str, Any]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _build_dirs(key: str, core_folder: str) -> list[Path]:
+    """The build directories of the core in ``cores_dir()/core_folder`` (``<commit>-<python>``):
+    ``<key>-<checkout>-<python>`` for any checkout, and the untagged ``<key>-<checkout>``."""
+    root = cache_dir() / "core-builds"
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = re.fullmatch(re.escape(key) + r"-[0-9a-f]{8}(?:-(.+))?", d.name)
+        if m and d.is_dir() and (m.group(1) is None or core_folder.endswith("-" + m.group(1))):
+            found.append(d)
+    return sorted(found)
+
+
 def remove_core(spec: str) -> Core:
     """Delete an installed core (by name or commit prefix): this Python's build of it, else the
-    first other one. Returns what was removed.
+    first other one, with its build directories (``cache_dir()/core-builds``: the ones for its
+    tree and Python, from every source checkout, and the untagged ones of the layout before
+    cores per Python). Returns what was removed.
     Raises CoreError when none matches; the built-in core cannot be removed."""
     for core in sorted(installed_cores(), key=lambda c: not c.for_this_python):
         if core.matches(spec):
-            shutil.rmtree(Path(core.path or "").parent, ignore_errors=True)
+            folder = Path(core.path or "").parent
+            shutil.rmtree(folder, ignore_errors=True)
+            for build in _build_dirs(core.build_key or core.name, folder.name):
+                shutil.rmtree(build, ignore_errors=True)
             return core
     if builtin_core().matches(spec):
         raise CoreError(f"{spec} is the built-in core (the package's own); it cannot be removed")
