@@ -316,6 +316,18 @@ def test_serve_refuses_a_port_or_body_limit_out_of_range():
         assert f"argument {args[0]}: must be".encode() in proc.stderr
 
 
+def test_serve_without_its_extra_is_a_usage_error():
+    # starlette / uvicorn missing: exit 2 with what to install, before any template loads (the
+    # trial of session 57: exit 1, after loading, naming an extra PyPI does not have for a clone)
+    code = (
+        "import sys; sys.modules['uvicorn'] = None; from llamaprompt.cli import main; "
+        "sys.exit(main(['serve', '--templates', '/nonexistent-folder']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2 and "pip install starlette uvicorn" in proc.stderr, proc.stderr[-500:]
+    assert "nonexistent-folder" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [

@@ -218,6 +218,10 @@ def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
         # TypeError about os.PathLike for a numeric path, not naming the file)
         "kind_unknown": lambda d: d["templates"][name].update(kind="safetensors"),
         "path_number": lambda d: d["templates"][name].update(kind="gguf", path=5),
+        # fields check prints or passes on (the trial of session 57: accepted, or printed as read)
+        "options_number": lambda d: d.update(options=5),
+        "load_errors_number": lambda d: d.update(load_errors=5),
+        "commit_list": lambda d: d.update(llama_cpp_commit=[1]),
         "error_number": lambda d: d["templates"][name]["cases"].update(x={"status": 500, "error": 5}),
         "prompt_null": lambda d: d["templates"][name]["cases"].update(x={"status": 200, "prompt": None}),
         # a case whose request is not in "requests" (the trial of session 55: "KeyError: 'x'",
@@ -232,6 +236,19 @@ def test_check_refuses_a_fixtures_file_of_the_wrong_shape(tmp_path, few_doc):
         proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
         assert proc.returncode == 2, (label, proc.stdout[-500:], proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr and str(path) in proc.stderr, (label, proc.stderr)
+    # numbers past Python's limit for reading integers, and a long schema_version, said briefly
+    # (the trial of session 57: Python's advice to call sys.set_int_max_str_digits(); the
+    # version echoed whole)
+    text = json.dumps(few_doc)
+    for label, mutated in (
+        ("digits", text.replace('"status": 200', '"status": ' + "9" * 5000, 1)),
+        ("long_version", text.replace('"schema_version": 1', '"schema_version": ' + "7" * 400, 1)),
+    ):
+        path = tmp_path / f"{label}.json"
+        path.write_text(mutated, encoding="utf-8")
+        proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+        assert proc.returncode == 2 and str(path) in proc.stderr, (label, proc.stderr[-500:])
+        assert "set_int_max_str_digits" not in proc.stderr and len(proc.stderr) < 300, (label, proc.stderr[-500:])
 
 
 def test_check_names_another_commit_first(tmp_path, few_doc):
@@ -248,6 +265,87 @@ def test_check_names_another_commit_first(tmp_path, few_doc):
     first = proc.stdout.splitlines()[0]
     assert first.startswith("note: these fixtures were made with llama.cpp deadbeef0")
     assert llamaprompt.LLAMA_CPP_COMMIT in first
+
+
+def test_fixtures_output_through_links_devices_and_stdout(tmp_path):
+    # -o writes through a symbolic link (the link stays), into a FIFO or device in place, and -
+    # is standard output; errors name the user's path (the trial of session 57: the file was
+    # renamed over the link -- over /dev/stdout, run as root -- and errors named the temporary file)
+    import os
+    import threading
+
+    fixtures = [*CLI, "fixtures", "--pinned", "Qwen-Qwen3-0.6B.jinja", "--no-progress", "-o"]
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "real" / "target.json")  # dangling: the target is created
+    for _ in range(2):  # then replaced
+        proc = subprocess.run([*fixtures, str(link)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert link.is_symlink() and fx.load_fixtures(tmp_path / "real" / "target.json")["templates"]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    proc = subprocess.run([*fixtures, str(fifo)], capture_output=True, text=True, timeout=120)
+    reader.join(30)
+    assert proc.returncode == 0, proc.stderr
+    assert got and json.loads(got[0])["templates"] and fifo.is_fifo()
+    proc = subprocess.run([*fixtures, "-"], capture_output=True, cwd=tmp_path)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["schema"] == "llamaprompt-fixtures"
+    assert not (tmp_path / "-").exists() and b"to standard output" in proc.stderr
+    for name in ("nodir/x.json", "real"):
+        proc = subprocess.run([*fixtures, name], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 2 and f"'{name}'" in proc.stderr and ".tmp" not in proc.stderr, proc.stderr
+
+
+def test_check_reports_a_template_that_no_longer_loads_once(tmp_path, few_doc):
+    # one line per template that does not load now, its cases counted as not matching (the trial
+    # of session 57: 22 lines of "now error 500" for one template); nothing to check is no pass;
+    # a GGUF path that is no file (a FIFO) is not opened, the recorded text is rendered
+    import os
+
+    name = next(iter(few_doc["templates"]))
+    n = len(few_doc["templates"][name]["cases"])
+    total = sum(len(e["cases"]) for e in few_doc["templates"].values())
+    doc = copy.deepcopy(few_doc)
+    doc["templates"][name]["server_args"] = ["--no-such-flag"]
+    path = tmp_path / "fx.json"
+    fx.write_fixtures(doc, path)
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+    differs = [line for line in proc.stdout.splitlines() if line.startswith("DIFFERS")]
+    assert proc.returncode == 1 and len(differs) == 1, proc.stdout[-2000:]
+    assert f"DIFFERS {name}: does not load now (ServerArgsError: " in differs[0] and f"its {n} cases" in differs[0]
+    assert f"{total - n} of {total} cases match" in proc.stdout
+    result = fx.check_fixtures(doc, progress=False)
+    assert not result.ok and result.mismatched == n and result.checked == total
+
+    empty = copy.deepcopy(few_doc)
+    empty["templates"] = {}
+    fx.write_fixtures(empty, path)
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+    assert proc.returncode == 1 and "NOTHING CHECKED" in proc.stdout and "0 of 0 cases match" in proc.stdout
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    doc = copy.deepcopy(few_doc)
+    doc["templates"][name].update(kind="gguf", path=str(fifo))
+    fx.write_fixtures(doc, path)
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+def test_check_and_diff_read_standard_input(tmp_path, few_doc):
+    path = tmp_path / "fx.json"
+    fx.write_fixtures(few_doc, path)
+    total = sum(len(e["cases"]) for e in few_doc["templates"].values())
+    data = path.read_bytes()
+    proc = subprocess.run([*CLI, "check", "-", "--no-progress"], input=data, capture_output=True)
+    assert proc.returncode == 0 and f"{total} of {total} cases match".encode() in proc.stdout, proc.stderr
+    proc = subprocess.run([*CLI, "diff", "-", str(path)], input=data, capture_output=True)
+    assert proc.returncode == 0 and b"templates agree" in proc.stdout, proc.stderr
+    proc = subprocess.run([*CLI, "diff", "-", "-"], input=data, capture_output=True, text=False)
+    assert proc.returncode == 2 and b"cannot both be -" in proc.stderr
 
 
 def test_check_mask_dates(few_doc):
@@ -418,6 +516,11 @@ def test_server_tokenize(server):
     assert status == 200 and all({"id", "piece"} <= set(p) for p in pieces["tokens"])
     status, err = _http(f"{server}/tokenize?model=Qwen-Qwen3-0.6B.jinja", {"content": "x"})
     assert status == 501
+    # no model named (or a body whose "model" is unread: no JSON): the first GGUF-served model,
+    # not the first model, which has no vocab (the trial of session 57: 501 for such bodies)
+    assert _http(f"{server}/tokenize", {"content": "Hi"}) == (200, {"tokens": t.tokenize("Hi").tolist()})
+    status, err = _http(f"{server}/detokenize", raw=b"{bad")
+    assert status == 500 and err["error"]["message"].startswith("[json.exception.parse_error.101] parse error")
 
 
 def test_server_tokenize_without_the_handlers_in_the_tree(server, monkeypatch):

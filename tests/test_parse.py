@@ -388,9 +388,9 @@ def test_cli_parse(tmp_path):
         '<think>\nhm\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     )
 
-    def run(output, *extra, template="Qwen-Qwen3-0.6B.jinja"):
+    def run(output, *extra, template="Qwen-Qwen3-0.6B.jinja", request=req):
         cli = [sys.executable, "-m", "llamaprompt.cli", "parse", "-t", str(llamaprompt.pinned_template(template))]
-        return subprocess.run([*cli, "--request", str(req), str(output), *extra], capture_output=True)
+        return subprocess.run([*cli, "--request", str(request), str(output), *extra], capture_output=True)
 
     proc = run(out)
     assert proc.returncode == 0, proc.stderr
@@ -408,12 +408,37 @@ def test_cli_parse(tmp_path):
         lines[" ".join(extra)] = len(deltas)
     assert lines["--chunk 1"] > lines[""] > lines["--chunk 1000"]
     assert run(out, "--stream", "--chunk", "0").returncode == 2
+    for proc, says in ((run(out, "--chunk", "4"), b"add --stream"), (run("-", request="-"), b"cannot both be -")):
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr
     prose = tmp_path / "prose.txt"
     prose.write_text("Hello there")
     finished = run(prose, "--stream", template="CohereForAI-c4ai-command-r-plus-tool_use.jinja")
     assert finished.returncode != 0 and b"does not match the expected" in finished.stderr
     unfinished = run(prose, "--stream", "--partial", template="CohereForAI-c4ai-command-r-plus-tool_use.jinja")
     assert unfinished.returncode == 0, unfinished.stderr
+
+
+def test_cli_output_to_a_pipe_closed_early_stops_quietly(tmp_path):
+    # `llamaprompt parse --stream ... | head -1`: the shell's status for SIGPIPE, nothing on
+    # stderr (the trial of session 57: "llamaprompt: BrokenPipeError: [Errno 32] Broken pipe", 2)
+    import subprocess
+    import sys
+
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"messages": USER}))
+    out = tmp_path / "out.txt"
+    out.write_text("word " * 2000)
+    cli = [sys.executable, "-m", "llamaprompt.cli", "parse", "-t", str(llamaprompt.pinned_template())]
+    proc = subprocess.Popen(
+        [*cli, "--request", str(req), str(out), "--stream", "--chunk", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert json.loads(proc.stdout.readline())
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""
 
 
 def test_stream_parser_fed_from_threads_keeps_every_chunk(qwen3):

@@ -25,13 +25,16 @@ for that llama.cpp (``llamaprompt cores add VERSION``) instead of the built-in o
 
 llama-server flags go after ``--`` (or one by one with ``--server-arg=FLAG``), e.g.
 ``llamaprompt render --template T req.json -- --reasoning off``. Errors from llama.cpp
-print its message on stderr and exit with status 2; Ctrl-C exits with status 130.
+print its message on stderr and exit with status 2; Ctrl-C exits with status 130, and output
+to a pipe whose reader has left (``| head``) stops quietly with status 141.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -324,7 +327,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk",
         type=_int_in(1),
-        default=8,
         metavar="N",
         help="with --stream: characters (code points) fed at a time, like a token's text (default 8)",
     )
@@ -418,7 +420,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="REQUESTS.json",
         help="JSON object name -> request body (default: the request set shipped with llamaprompt)",
     )
-    p.add_argument("-o", "--output", required=True, metavar="OUT.json", help="fixtures file to write")
+    p.add_argument(
+        "-o", "--output", required=True, metavar="OUT.json", help="fixtures file to write (- for standard output)"
+    )
     p.add_argument(
         "--with-inputs",
         action="store_true",
@@ -427,7 +431,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("check", help="re-render a fixtures file and report the cases that differ (exit 1)")
-    p.add_argument("fixtures", metavar="FIXTURES.json", help="fixtures file (llamaprompt fixtures, docs/fixtures.md)")
+    p.add_argument(
+        "fixtures",
+        metavar="FIXTURES.json",
+        help="fixtures file (llamaprompt fixtures, docs/fixtures.md), or - for stdin",
+    )
     p.add_argument("--mask-dates", action="store_true", help="compare with dates printed by templates masked")
     p.add_argument("--llama-cpp", metavar="VERSION", help="re-render with the core built for this llama.cpp")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -439,8 +447,10 @@ def _parser() -> argparse.ArgumentParser:
         '{"template": {"request": "prompt"}} map. Prints how many templates agree, caps side by side '
         "where OTHER has them, and each difference with its first differing offset and context.",
     )
-    p.add_argument("reference", metavar="REFERENCE.json", help="reference fixtures file (llamaprompt fixtures)")
-    p.add_argument("other", metavar="OTHER.json", help="the other renderer's prompts (fixtures file or map)")
+    p.add_argument(
+        "reference", metavar="REFERENCE.json", help="reference fixtures file (llamaprompt fixtures), or - for stdin"
+    )
+    p.add_argument("other", metavar="OTHER.json", help="the other renderer's prompts (fixtures file or map), or -")
     p.add_argument(
         "--format", choices=("markdown", "json"), default="markdown", help="report format (default: markdown)"
     )
@@ -572,11 +582,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="serve llama-server's /apply-template, /props, /tokenize ... with no model",
-        description="A model-free llama-server-compatible HTTP endpoint (needs: pip install 'llamaprompt[server]'). "
+        description="A model-free llama-server-compatible HTTP endpoint (needs starlette and uvicorn: pip install "
+        "starlette uvicorn). "
         'Several templates at once: pick one with a "model" field or ?model=NAME (names: file names). '
         "The default is the first: --template, --templates and --pinned files in that order, then --gguf "
-        "files, whatever their order on the command line (so /tokenize without a model name needs the "
-        "GGUF first or alone).",
+        "files, whatever their order on the command line; for /tokenize and /detokenize, the first --gguf file.",
     )
     _multi_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -711,6 +721,13 @@ def _read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def _one_stdin(*inputs: tuple[str, str]) -> None:
+    """UsageError when more than one of the (option, value) inputs is - (standard input)."""
+    named = [option for option, value in inputs if value == "-"]
+    if len(named) > 1:
+        raise UsageError(f"{' and '.join(named)} cannot both be - (standard input is read once)")
+
+
 def _read_json(path: str) -> Any:
     """A JSON input of the command line (requests, messages, a Jinja context): RequestError if
     it is not JSON (or nested too deeply for Python's reader)."""
@@ -811,7 +828,7 @@ def _print_json(value: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 2 llama.cpp rejected the input, 130
-    interrupted: Ctrl-C)."""
+    interrupted: Ctrl-C, 141 the output's pipe closed by its reader)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     server_args: list[str] = []
     if "--" in argv:
@@ -925,6 +942,9 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             if done.failed > len(done.first_errors):
                 print(f"  ... and {done.failed - len(done.first_errors)} more", file=sys.stderr)
         elif args.command == "parse":
+            if args.chunk is not None and not args.stream:
+                raise UsageError("--chunk sets the chunks of --stream: add --stream")
+            _one_stdin(("--request", args.request), ("OUTPUT.txt", args.output))
             params = template.apply(_read_bytes(args.request))
             text = _read_bytes(args.output).decode("utf-8", "surrogateescape")
             if args.stream:
@@ -935,8 +955,9 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
                         sys.stdout.write(json.dumps(d, ensure_ascii=False) + "\n")
                     sys.stdout.flush()
 
-                for i in range(0, len(text), args.chunk):
-                    emit(stream.feed(text[i : i + args.chunk]))
+                step = args.chunk or 8
+                for i in range(0, len(text), step):
+                    emit(stream.feed(text[i : i + step]))
                 if not args.partial:  # the end of the generation: the final parse
                     emit(stream.finish())
             else:
@@ -980,6 +1001,10 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
         status = f" (HTTP {e.status})" if e.status else ""
         print(f"llamaprompt: {type(e).__name__}{status}: {e.message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of the output left (`| head`): quiet, the shell's status for SIGPIPE
+        with contextlib.suppress(OSError):  # (so that the interpreter's final flush does not fail too)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (OSError, ValueError, TypeError, UnicodeError, KeyError) as e:
         print(f"llamaprompt: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -1154,12 +1179,16 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         )
         if failures:
             doc["load_errors"] = failures
-        fx.write_fixtures(doc, args.output)
+        if args.output == "-":
+            sys.stdout.buffer.write(fx.fixtures_text(doc).encode("utf-8"))
+            sys.stdout.flush()
+        else:
+            fx.write_fixtures(doc, args.output)
         n = sum(len(t["cases"]) for t in doc["templates"].values())
         print(
             f"llamaprompt: loaded {len(templates)} of {len(templates) + len(failures)} templates "
             f"({_loaded_from(args)}); wrote {len(doc['templates'])} templates x {len(doc['requests'])} requests "
-            f"({n} cases) to {args.output}",
+            f"({n} cases) to {'standard output' if args.output == '-' else args.output}",
             file=sys.stderr,
         )
         if failures:
@@ -1171,7 +1200,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
             return 1
         return 0
     if args.command == "check":
-        doc = fx.load_fixtures(args.fixtures)
+        doc = fx.load_fixtures(args.fixtures, _read_bytes(args.fixtures))
         made_with = str(doc.get("llama_cpp_commit") or "unknown")
         if not (made_with[:9] == LLAMA_CPP_COMMIT[:9] and made_with != "unknown"):
             print(
@@ -1184,12 +1213,13 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         for line in result.describe():
             print(json_safe(line))  # (a prompt's bytes that are no UTF-8: U+FFFD in the report)
         print(
-            f"{result.checked - len(result.differences)} of {result.checked} cases match "
+            f"{result.checked - result.mismatched} of {result.checked} cases match "
             f"(fixtures from llama.cpp {doc.get('llama_cpp_commit')}, this build {LLAMA_CPP_COMMIT})"
         )
         return 0 if result.ok else 1
     if args.command == "diff":
-        reference = fx.load_fixtures(args.reference)
+        _one_stdin(("REFERENCE.json", args.reference), ("OTHER.json", args.other))
+        reference = fx.load_fixtures(args.reference, _read_bytes(args.reference))
         other = fx.load_other(args.other, _read_bytes(args.other))  # (ValueError: exit 2)
         report = fx.diff_fixtures(
             reference, other, context=args.context, mask=args.mask_dates, explain=args.explain, llama_cpp=args.llama_cpp
@@ -1200,6 +1230,13 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
             sys.stdout.write(json_safe(fx.diff_markdown(report)))
         return 0 if report["templates_agree"] == report["templates_total"] else 1
     # serve
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            'serve needs starlette and uvicorn (the "server" extra): pip install starlette uvicorn'
+        ) from None
     from .server import serve
 
     if args.untrusted:

@@ -8,9 +8,11 @@ documented in docs/fixtures.md and shipped as ``fixtures.schema.json`` next to t
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,16 +171,38 @@ def render_fixtures(
     return doc
 
 
+def fixtures_text(doc: Mapping[str, Any]) -> str:
+    """A fixtures document as the text :func:`write_fixtures` writes: UTF-8-safe JSON, 2-space
+    indent, non-ASCII kept (bytes that are not UTF-8, e.g. of a template file in another
+    encoding, as U+FFFD, as in llama-server's JSON), ending with a newline."""
+    return json_safe(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
+
+
 def write_fixtures(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write a fixtures document as UTF-8 JSON (2-space indent, non-ASCII kept; bytes that are
-    not UTF-8, e.g. of a template file in another encoding, become U+FFFD as in llama-server's
-    JSON). The file appears complete or not at all (written next to it, then renamed)."""
-    text = json_safe(json.dumps(doc, indent=2, ensure_ascii=False))
-    target = Path(path)
+    """Write a fixtures document (:func:`fixtures_text`) to ``path``. A regular file appears
+    complete or not at all (written next to it, then renamed over it); through a symbolic link
+    the file it points to is written (the link stays); a device or pipe (``/dev/stdout``, a FIFO)
+    is written in place. Raises OSError naming ``path`` (IsADirectoryError for a folder)."""
+    data = fixtures_text(doc).encode("utf-8")
+    name = os.fspath(path)
+    try:
+        st = os.stat(name)  # (follows links)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", name)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        with open(name, "wb") as f:
+            f.write(data)
+        return
+    target = Path(os.path.realpath(name))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text + "\n", encoding="utf-8")
-        os.replace(tmp, target)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+        except OSError as e:  # the user's name, not the temporary file's
+            raise type(e)(e.errno, e.strerror, name) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -191,18 +215,21 @@ def json_from_bytes(data: bytes, name: str) -> Any:
     try:
         return json.loads(data)
     except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        if "integer string conversion" in str(e):  # (Python's advice to raise its limit is not the user's to take)
+            raise ValueError(f"{name}: a number of more than {sys.get_int_max_str_digits()} digits") from None
         raise ValueError(f"{name}: not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError(f"{name}: nested too deeply to read as JSON (Python's recursion limit)") from None
 
 
-def load_fixtures(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_fixtures(path: str | os.PathLike[str], data: bytes | None = None) -> dict[str, Any]:
     """Read a fixtures file (a JSON object; UTF-8 as written, with or without a BOM, or UTF-16/32
-    as ``json.loads`` detects them) into a dict.
+    as ``json.loads`` detects them) into a dict (``data``: its bytes, already read; ``path`` then
+    only names it in messages).
 
     Raises OSError when the file cannot be read, and ValueError naming the file when it is not
     valid JSON or not a fixtures file (wrong schema id/version, or contents of the wrong shape)."""
-    doc = json_from_bytes(Path(path).read_bytes(), str(path))
+    doc = json_from_bytes(Path(path).read_bytes() if data is None else data, str(path))
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
         raise ValueError(f'{path}: not a llamaprompt fixtures file (no "schema": "{SCHEMA_ID}")')
     _check_version(doc, str(path))
@@ -217,13 +244,20 @@ def _check_version(doc: Mapping[str, Any], name: str) -> None:
     true, which equals 1, is not one)."""
     version = doc.get("schema_version")
     if version != SCHEMA_VERSION or isinstance(version, bool):
-        raise ValueError(f"{name}: schema_version {version!r} is not {SCHEMA_VERSION!r}")
+        shown = repr(version)
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        raise ValueError(f"{name}: schema_version {shown} is not {SCHEMA_VERSION!r}")
 
 
 def _shape_problem(doc: Mapping[str, Any]) -> str | None:
     """What keeps ``doc`` from being read as fixtures (the parts check/diff read), or None."""
     if not isinstance(doc.get("requests"), dict):
         return '"requests" is not an object'
+    for key in ("options", "load_errors"):
+        if key in doc and not isinstance(doc[key], dict):
+            return f'"{key}" is not an object'
+    if not isinstance(doc.get("llama_cpp_commit", ""), str):
+        return '"llama_cpp_commit" is not a string'
     if not all(isinstance(r, dict) for r in doc["requests"].values()):
         return 'a request in "requests" is not an object'
     if not isinstance(doc.get("templates"), dict):
@@ -287,14 +321,14 @@ def _case_problem(case: Mapping[str, Any], no_prompt: bool = False) -> str | Non
 
 def template_from_entry(entry: Mapping[str, Any], llama_cpp: str | None = None) -> ChatTemplate:
     """Rebuild the ChatTemplate a fixtures entry was rendered with: the GGUF file when the
-    entry came from one and the file is still there, else the recorded template text with
+    entry came from one and it is still a file there, else the recorded template text with
     the recorded BOS/EOS and add_bos/add_eos (``llama_cpp``: the core, as ChatTemplate's)."""
     opts = {
         "server_args": entry.get("server_args", []),
         "media_marker": entry.get("media_marker", DEFAULT_MEDIA_MARKER),
         "llama_cpp": llama_cpp,
     }
-    if entry.get("kind") == "gguf" and entry.get("path") and Path(entry["path"]).exists():
+    if entry.get("kind") == "gguf" and entry.get("path") and Path(entry["path"]).is_file():
         return ChatTemplate.from_gguf(entry["path"], **opts)
     return ChatTemplate(
         entry["chat_template"],
@@ -313,20 +347,34 @@ def template_from_entry(entry: Mapping[str, Any], llama_cpp: str | None = None) 
 @dataclass
 class CheckResult:
     """What :func:`check_fixtures` found: ``checked`` cases, ``differences`` as
-    ``(template, request, expected_case, actual_case)`` tuples, and ``caps_differences`` as
-    ``(template, recorded_caps, current_caps)``."""
+    ``(template, request, expected_case, actual_case)`` tuples, ``caps_differences`` as
+    ``(template, recorded_caps, current_caps)``, and ``load_failures`` as ``(template, cases,
+    "ErrorType: message")`` for a template that no longer loads (its cases count as checked and
+    not matching)."""
 
     checked: int = 0
     differences: list[tuple[str, str, dict, dict]] = field(default_factory=list)
     caps_differences: list[tuple[str, dict, dict]] = field(default_factory=list)
+    load_failures: list[tuple[str, int, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.differences and not self.caps_differences
+        """Whether every case and caps matched -- and there was a case (nothing checked is not ok)."""
+        return self.checked > 0 and not (self.differences or self.caps_differences or self.load_failures)
+
+    @property
+    def mismatched(self) -> int:
+        """The cases that did not match: differing, or of a template that no longer loads."""
+        return len(self.differences) + sum(n for _, n, _ in self.load_failures)
 
     def describe(self, context: int = 30) -> list[str]:
-        """One line per difference: the first differing offset with context, or the statuses."""
+        """One line per difference: the first differing offset with context, or the statuses;
+        one per template that no longer loads; one when there was no case."""
         lines = []
+        if self.checked == 0:
+            lines.append("NOTHING CHECKED: the fixtures hold no case (no template, or templates without cases)")
+        for tname, n, message in self.load_failures:
+            lines.append(f"DIFFERS {tname}: does not load now ({message}); its {n} cases not rendered")
         for tname, recorded, now in self.caps_differences:
             changed = {
                 k: [recorded.get(k), now.get(k)]
@@ -387,10 +435,8 @@ def check_fixtures(
         try:
             tmpl = template_from_entry(entry, llama_cpp)
         except Error as e:
-            got = {"status": e.status or 500, "error": {"message": e.message}}
-            for rname, case in entry["cases"].items():
-                result.checked += 1
-                result.differences.append((name, rname, case, got))
+            result.checked += len(entry["cases"])
+            result.load_failures.append((name, len(entry["cases"]), f"{type(e).__name__}: {e.message}"))
             continue
         if tmpl.caps != entry.get("caps", tmpl.caps):
             result.caps_differences.append((name, entry["caps"], tmpl.caps))

@@ -63,6 +63,11 @@ def _error(status: int, message: str, kind: str | None = None):
     return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
 
 
+def _has_vocab(t: Any) -> bool:
+    """Whether ``t`` was loaded from a GGUF file in this process (its vocab at hand)."""
+    return getattr(t, "gguf_path", None) is not None and getattr(t, "_model", None) is not None
+
+
 def _vocab_handler(t: ChatTemplate, handler: str, raw: bytes) -> Any:
     """llama-server's ``post_tokenize`` / ``post_detokenize`` (server-context.cpp) run on ``raw``
     as it runs them: their bodies compiled from the tree (``_core.post_tokenize`` /
@@ -70,9 +75,9 @@ def _vocab_handler(t: ChatTemplate, handler: str, raw: bytes) -> Any:
     (json_value), mixed content (tokenize_mixed), the ids' casts and every error message are
     nlohmann's and llama.cpp's. Returns the response's JSON; raises Error with llama-server's
     status (500 for what the handler throws, 501 without a GGUF vocab or the handlers)."""
-    model = getattr(t, "_model", None)
-    if getattr(t, "gguf_path", None) is None or model is None:
+    if not _has_vocab(t):
         raise Error(f"{handler[5:]} needs a GGUF-backed model (serve --gguf, trusted)", 501)
+    model = t._model
     try:
         require("serve_tokenize", f"POST /{handler[5:]}", t._lib)
     except FeatureError as e:
@@ -97,6 +102,8 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
     if not templates:
         raise ValueError("serve needs at least one template")
     names = list(templates)
+    # /tokenize and /detokenize need a vocab: their default is the first model served from a GGUF
+    vocab_default = next((n for n in names if _has_vocab(templates[n])), names[0])
 
     async def read_body(request: Request) -> bytes | None:
         declared = request.headers.get("content-length")
@@ -109,19 +116,19 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
                 return None
         return body
 
-    def pick(request: Request, body: Any) -> tuple[str, ChatTemplate] | None:
+    def pick(request: Request, body: Any, default: str = names[0]) -> tuple[str, ChatTemplate] | None:
         name = request.query_params.get("model")
         if name is None and isinstance(body, dict) and isinstance(body.get("model"), str):
             name = body["model"]
             if name not in templates:
                 name = names[0] if len(names) == 1 else name  # one model: llama-server ignores the field
-        name = name or names[0]
+        name = name or default
         return (name, templates[name]) if name in templates else None
 
     def unknown_model(name_hint: str | None = None):
         return _error(404, f"model not found; available: {', '.join(names)}")
 
-    async def with_template(request: Request, fn):
+    async def with_template(request: Request, fn, default: str = names[0]):
         raw = await read_body(request)
         if raw is None:
             return _error(413, f"request body larger than {max_body_bytes} bytes")
@@ -131,7 +138,7 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
             # llama.cpp parses the raw body and reports the error; a body deeper than Python's
             # reader goes (its "model" field unread) to llama.cpp, which reads it as llama-server
             parsed = None
-        chosen = pick(request, parsed)
+        chosen = pick(request, parsed, default)
         if chosen is None:
             return unknown_model()
         try:
@@ -191,10 +198,10 @@ def create_app(templates: Mapping[str, Any], *, max_body_bytes: int = DEFAULT_MA
         return await with_template(request, do_render_inputs)
 
     async def tokenize(request: Request):
-        return await with_template(request, do_tokenize)
+        return await with_template(request, do_tokenize, vocab_default)
 
     async def detokenize(request: Request):
-        return await with_template(request, do_detokenize)
+        return await with_template(request, do_detokenize, vocab_default)
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -227,9 +234,13 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
 ) -> None:
-    """Run the endpoint with uvicorn until interrupted (binds to loopback by default)."""
+    """Run the endpoint with uvicorn until interrupted (binds to loopback by default).
+
+    Raises ImportError, saying what to install, without starlette and uvicorn (the "server" extra)."""
     try:
         import uvicorn
     except ImportError as e:  # pragma: no cover - depends on the extra
-        raise SystemExit('llamaprompt serve needs the server extra: pip install "llamaprompt[server]"') from e
+        raise ImportError(
+            'serve needs starlette and uvicorn (the "server" extra): pip install starlette uvicorn'
+        ) from e
     uvicorn.run(create_app(templates, max_body_bytes=max_body_bytes), host=host, port=port, log_level=log_level)
