@@ -144,6 +144,34 @@ def test_each_python_keeps_its_own_build_of_a_version(tmp_path, monkeypatch, cap
     assert sorted(p.name for p in (cores.cache_dir() / "core-builds").iterdir()) == sorted(builds[3:])
 
 
+def test_a_damaged_core_json_is_not_listed_and_removal_stays_in_its_folder(tmp_path, monkeypatch, capsys):
+    # (the second trial of session 57) a core.json with fields of the wrong type failed `cores
+    # list` for every core, and `cores remove` failed after deleting the folder; a relative
+    # "path" made `cores remove` delete the working folder's contents
+    monkeypatch.setenv("LLAMAPROMPT_CACHE_DIR", str(tmp_path / "cache"))
+    meta = {"name": "9.9.1", "commit": "abcdef001", "source": "llama-cpp-python 9.9.1 sdist"}
+    damaged = {"9.9.1": {"build_key": 5}, "9.9.2": {"name": 5}, "9.9.3": {"features": []}}
+    for version, change in damaged.items():
+        folder = cores.cores_dir() / f"d{version}-cpython-311"
+        folder.mkdir(parents=True)
+        (folder / "core.json").write_text(json.dumps({**meta, "name": version, "path": "/x/_core.so", **change}))
+    good = cores.cores_dir() / "abcdef004-cpython-311"
+    good.mkdir()
+    (good / "core.json").write_text(json.dumps({**meta, "name": "9.9.4", "commit": "abcdef004", "path": "_core.so"}))
+    (good / "_core.so").write_bytes(b"x")
+    bystander = tmp_path / "work" / "keep.txt"
+    bystander.parent.mkdir()
+    bystander.write_text("mine")
+    monkeypatch.chdir(bystander.parent)
+    [core] = cores.installed_cores()
+    assert core.name == "9.9.4" and core.path == str(good / "_core.so")
+    assert main(["cores", "list"]) == 0 and "9.9.4" in capsys.readouterr().out
+    assert main(["cores", "remove", "9.9.1"]) == 2  # not listed, not removed
+    assert (cores.cores_dir() / "d9.9.1-cpython-311").is_dir()
+    assert main(["cores", "remove", "9.9.4"]) == 0
+    assert not good.exists() and bystander.read_text() == "mine"
+
+
 def test_cores_list_counts_the_features_whose_absence_loses_something(capsys):
     # the other features only name the shape of an upstream interface (older trees': e.g.
     # server_task_params), which a new user read as the built-in core missing something

@@ -294,9 +294,38 @@ def test_fixtures_output_through_links_devices_and_stdout(tmp_path):
     proc = subprocess.run([*fixtures, "-"], capture_output=True, cwd=tmp_path)
     assert proc.returncode == 0 and json.loads(proc.stdout)["schema"] == "llamaprompt-fixtures"
     assert not (tmp_path / "-").exists() and b"to standard output" in proc.stderr
-    for name in ("nodir/x.json", "real"):
+    for name in ("nodir/x.json", "real", "nosuch/"):
         proc = subprocess.run([*fixtures, name], capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 2 and f"'{name}'" in proc.stderr and ".tmp" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "nosuch").exists()
+    # (the second trial of session 57) a name as long as a folder takes (the temporary file's
+    # was longer); an existing file keeps its permission bits, and one with other hard links is
+    # written in place, so every name sees the new text; a FIFO whose reader leaves early is an
+    # error naming it (was: status 141, quietly, as for standard output)
+    long_name = tmp_path / ("b" * 250)
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    kept.chmod(0o600)
+    twin = tmp_path / "twin.json"
+    os.link(kept, twin)
+    for target in (long_name, kept):
+        proc = subprocess.run([*fixtures, str(target)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    assert fx.load_fixtures(long_name)["templates"] and fx.load_fixtures(twin)["templates"]
+    assert kept.stat().st_mode & 0o777 == 0o600
+    early = tmp_path / "early"
+    os.mkfifo(early)
+
+    def read_a_little():
+        with open(early, "rb") as f:
+            got.append(f.read(10))
+
+    got.clear()
+    reader = threading.Thread(target=read_a_little, daemon=True)
+    reader.start()
+    more = [*CLI, "fixtures", "--pinned", *FEW[:3], "--with-inputs", "--no-progress", "-o"]  # (past a pipe's buffer)
+    proc = subprocess.run([*more, str(early)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "BrokenPipeError" in proc.stderr and str(early) in proc.stderr, proc.stderr
 
 
 def test_check_reports_a_template_that_no_longer_loads_once(tmp_path, few_doc):
@@ -328,11 +357,25 @@ def test_check_reports_a_template_that_no_longer_loads_once(tmp_path, few_doc):
 
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
+    for odd in (str(fifo), "/" + "x" * 5000):  # no file to open: the recorded text is rendered
+        doc = copy.deepcopy(few_doc)
+        doc["templates"][name].update(kind="gguf", path=odd)
+        fx.write_fixtures(doc, path)
+        proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    # llama.cpp's usage text after an argument's error stays off the line; a core that is not
+    # installed is check's error, not every template's (the second trial of session 57)
     doc = copy.deepcopy(few_doc)
-    doc["templates"][name].update(kind="gguf", path=str(fifo))
+    doc["templates"][name]["server_args"] = ["--ctx-size", "abc"]
     fx.write_fixtures(doc, path)
-    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    proc = subprocess.run([*CLI, "check", str(path), "--no-progress"], capture_output=True, text=True)
+    assert proc.returncode == 1 and len(proc.stdout.splitlines()) == 2, proc.stdout[-3000:]
+    fx.write_fixtures(few_doc, path)
+    proc = subprocess.run(
+        [*CLI, "check", str(path), "--no-progress", "--llama-cpp", "0.3.99"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "DIFFERS" not in proc.stdout and "CoreError" in proc.stderr
 
 
 def test_check_and_diff_read_standard_input(tmp_path, few_doc):

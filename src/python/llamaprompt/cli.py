@@ -1001,7 +1001,11 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
         status = f" (HTTP {e.status})" if e.status else ""
         print(f"llamaprompt: {type(e).__name__}{status}: {e.message}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader of the output left (`| head`): quiet, the shell's status for SIGPIPE
+    except BrokenPipeError as e:
+        if e.filename is not None:  # a named output (-o FIFO) whose reader left: an error like any
+            print(f"llamaprompt: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        # the reader of standard output left (`| head`): quiet, the shell's status for SIGPIPE
         with contextlib.suppress(OSError):  # (so that the interpreter's final flush does not fail too)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
@@ -1035,8 +1039,11 @@ def _cores(args: argparse.Namespace) -> int:
         print(f"llamaprompt: installed the llama.cpp {core.label()} core ({core.source}) in {core.path}")
         return 0
     if args.cores_command == "remove":
+        found = cores.installed_core(args.name)
+        builds = len(cores.core_build_dirs(found)) if found else 0
         core = cores.remove_core(args.name)
-        print(f"llamaprompt: removed the llama.cpp {core.label()} core and its build directories")
+        kept = f" and {builds} build director{'y' if builds == 1 else 'ies'}" if builds else ""
+        print(f"llamaprompt: removed the llama.cpp {core.label()} core{kept}")
         return 0
     rows = [cores.builtin_core(), *cores.installed_cores()]
     if args.json:
@@ -1200,12 +1207,15 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
             return 1
         return 0
     if args.command == "check":
+        from .cores import find_core
+
         doc = fx.load_fixtures(args.fixtures, _read_bytes(args.fixtures))
+        core = find_core(args.llama_cpp)  # (CoreError, exit 2: no template is blamed for a missing core)
         made_with = str(doc.get("llama_cpp_commit") or "unknown")
-        if not (made_with[:9] == LLAMA_CPP_COMMIT[:9] and made_with != "unknown"):
+        if not (made_with[:9] == core.commit[:9] and made_with != "unknown"):
             print(
                 f"note: these fixtures were made with llama.cpp {made_with}; this build is llama.cpp "
-                f"{LLAMA_CPP_COMMIT} ({LLAMA_CPP_SOURCE}): differences below may be llama.cpp's own changes"
+                f"{core.commit} ({core.source}): differences below may be llama.cpp's own changes"
             )
         result = fx.check_fixtures(
             doc, mask=args.mask_dates, progress=False if args.no_progress else None, llama_cpp=args.llama_cpp
@@ -1214,7 +1224,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
             print(json_safe(line))  # (a prompt's bytes that are no UTF-8: U+FFFD in the report)
         print(
             f"{result.checked - result.mismatched} of {result.checked} cases match "
-            f"(fixtures from llama.cpp {doc.get('llama_cpp_commit')}, this build {LLAMA_CPP_COMMIT})"
+            f"(fixtures from llama.cpp {doc.get('llama_cpp_commit')}, this build {core.commit})"
         )
         return 0 if result.ok else 1
     if args.command == "diff":

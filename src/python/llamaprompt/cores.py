@@ -206,10 +206,28 @@ def builtin_core() -> Core:
 
 
 def _read_meta(folder: Path) -> dict[str, Any] | None:
+    """A core folder's core.json, or None when it cannot be read or is no JSON object."""
     try:
-        return json.loads((folder / "core.json").read_text())
-    except (OSError, ValueError):
+        meta = json.loads((folder / "core.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _core_from_meta(folder: Path, meta: dict[str, Any]) -> Core | None:
+    """The Core a core.json describes, its module file taken in ``folder`` whatever folder the
+    file names (a cache that moved; a relative or foreign path never points elsewhere); None
+    when a field has the wrong type (a core.json edited by hand or damaged: not listed)."""
+    text = ("name", "commit", "source", "path")
+    if not all(isinstance(meta.get(k), str) and meta[k] for k in text):
+        return None
+    optional = {"date": str, "source_hash": str, "built_at": str, "build_key": str, "size": int, "features": dict}
+    if any(meta.get(k) is not None and not isinstance(meta[k], t) for k, t in optional.items()):
+        return None
+    known = {f for f in Core.__dataclass_fields__}
+    fields = {k: v for k, v in meta.items() if k in known and k != "builtin"}
+    fields["path"] = str(folder / Path(meta["path"]).name)
+    return Core(**fields)
 
 
 def installed_cores() -> list[Core]:
@@ -221,10 +239,9 @@ def installed_cores() -> list[Core]:
     if root.is_dir():
         for folder in sorted(root.iterdir()):
             meta = _read_meta(folder)
-            if meta is None or not meta.get("path"):
-                continue
-            known = {f for f in Core.__dataclass_fields__}
-            out.append(Core(**{k: v for k, v in meta.items() if k in known}))
+            core = None if meta is None else _core_from_meta(folder, meta)
+            if core is not None:
+                out.append(core)
     return sorted(out, key=lambda c: (c.date is None, c.date or "", c.name))
 
 
@@ -513,9 +530,14 @@ def _probe(ext: Path) -> dict[str, Any]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _build_dirs(key: str, core_folder: str) -> list[Path]:
-    """The build directories of the core in ``cores_dir()/core_folder`` (``<commit>-<python>``):
-    ``<key>-<checkout>-<python>`` for any checkout, and the untagged ``<key>-<checkout>``."""
+def core_build_dirs(core: Core) -> list[Path]:
+    """The build directories of an installed core under ``cache_dir()/core-builds``:
+    ``<build key>-<checkout>-<python>`` for any source checkout (its Python's, the one of its
+    folder ``<commit>-<python>``), and the untagged ``<build key>-<checkout>`` of the layout
+    before cores per Python. Empty for the built-in core."""
+    if core.builtin or not core.path:
+        return []
+    key, core_folder = core.build_key or core.name, Path(core.path).parent.name
     root = cache_dir() / "core-builds"
     if not root.is_dir():
         return []
@@ -527,19 +549,25 @@ def _build_dirs(key: str, core_folder: str) -> list[Path]:
     return sorted(found)
 
 
+def installed_core(spec: str) -> Core | None:
+    """The installed core ``spec`` (a name or commit prefix) names, usable or not: this Python's
+    build of it, else the first other one; None when none matches."""
+    return next((c for c in sorted(installed_cores(), key=lambda c: not c.for_this_python) if c.matches(spec)), None)
+
+
 def remove_core(spec: str) -> Core:
     """Delete an installed core (by name or commit prefix): this Python's build of it, else the
     first other one, with its build directories (``cache_dir()/core-builds``: the ones for its
     tree and Python, from every source checkout, and the untagged ones of the layout before
     cores per Python). Returns what was removed.
     Raises CoreError when none matches; the built-in core cannot be removed."""
-    for core in sorted(installed_cores(), key=lambda c: not c.for_this_python):
-        if core.matches(spec):
-            folder = Path(core.path or "").parent
-            shutil.rmtree(folder, ignore_errors=True)
-            for build in _build_dirs(core.build_key or core.name, folder.name):
-                shutil.rmtree(build, ignore_errors=True)
-            return core
+    core = installed_core(spec)
+    if core is not None:
+        builds = core_build_dirs(core)
+        shutil.rmtree(Path(core.path or "").parent, ignore_errors=True)  # (in cores_dir(): _core_from_meta)
+        for build in builds:
+            shutil.rmtree(build, ignore_errors=True)
+        return core
     if builtin_core().matches(spec):
         raise CoreError(f"{spec} is the built-in core (the package's own); it cannot be removed")
     raise CoreError(f"no installed core matches {spec!r}")
@@ -555,8 +583,8 @@ def _resolve_env(spec: str) -> Path:
         return p
     if p.is_dir():
         meta = _read_meta(p)
-        if meta and meta.get("path"):
-            return Path(meta["path"])
+        if meta and isinstance(meta.get("path"), str) and meta["path"]:
+            return p / Path(meta["path"]).name  # (the module in that folder, as installed_cores takes it)
         found = sorted(p.glob("_core.*"))
         if found:
             return found[0]

@@ -7,11 +7,13 @@ documented in docs/fixtures.md and shipped as ``fixtures.schema.json`` next to t
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import errno
 import json
 import os
 import re
+import secrets
 import stat
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -180,32 +182,44 @@ def fixtures_text(doc: Mapping[str, Any]) -> str:
 
 def write_fixtures(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a fixtures document (:func:`fixtures_text`) to ``path``. A regular file appears
-    complete or not at all (written next to it, then renamed over it); through a symbolic link
-    the file it points to is written (the link stays); a device or pipe (``/dev/stdout``, a FIFO)
-    is written in place. Raises OSError naming ``path`` (IsADirectoryError for a folder)."""
+    complete or not at all: written next to it, then renamed over it, keeping an existing file's
+    permission bits (and owner, where allowed); through a symbolic link the file it points to is
+    written (the link stays); a device, pipe or file with other hard links (``/dev/stdout``, a
+    FIFO) is written in place. Raises OSError naming ``path``: IsADirectoryError for a folder
+    (or a name ending in a slash), PermissionError for a file that is not writable."""
     data = fixtures_text(doc).encode("utf-8")
     name = os.fspath(path)
     try:
-        st = os.stat(name)  # (follows links)
+        st: os.stat_result | None = os.stat(name)  # (follows links)
     except FileNotFoundError:
         st = None
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", name)
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        with open(name, "wb") as f:
-            f.write(data)
-        return
-    target = Path(os.path.realpath(name))
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, name) from None
+    if (st is not None and stat.S_ISDIR(st.st_mode)) or (st is None and name.endswith(("/", os.sep))):
+        raise IsADirectoryError(errno.EISDIR, "names a folder, not a file", name)
+    if st is not None and not os.access(name, os.W_OK):
+        raise PermissionError(errno.EACCES, "the file is not writable", name)
     try:
+        if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
+            with open(name, "wb") as f:
+                f.write(data)
+            return
+        target = Path(os.path.realpath(name))
+        tmp = target.with_name(f".llamaprompt-{secrets.token_hex(6)}.tmp")  # (short: any name's folder takes it)
         try:
-            tmp.write_bytes(data)
+            with open(tmp, "xb") as f:  # (a new file's mode: the umask's, as for any file written)
+                f.write(data)
+            if st is not None:
+                os.chmod(tmp, stat.S_IMODE(st.st_mode))
+                with contextlib.suppress(OSError):  # (only root may give a file to another user)
+                    os.chown(tmp, st.st_uid, st.st_gid)
             os.replace(tmp, target)
-        except OSError as e:  # the user's name, not the temporary file's
-            raise type(e)(e.errno, e.strerror, name) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:  # the user's name, not the temporary file's
+        raise type(e)(e.errno, e.strerror, name) from None
 
 
 def json_from_bytes(data: bytes, name: str) -> Any:
@@ -319,6 +333,15 @@ def _case_problem(case: Mapping[str, Any], no_prompt: bool = False) -> str | Non
     return None
 
 
+def _is_regular_file(path: str) -> bool:
+    """Whether ``path`` names a regular file (following links); False for whatever os.stat
+    refuses: no such file, a name too long, a NUL in it, no permission."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def template_from_entry(entry: Mapping[str, Any], llama_cpp: str | None = None) -> ChatTemplate:
     """Rebuild the ChatTemplate a fixtures entry was rendered with: the GGUF file when the
     entry came from one and it is still a file there, else the recorded template text with
@@ -328,7 +351,7 @@ def template_from_entry(entry: Mapping[str, Any], llama_cpp: str | None = None) 
         "media_marker": entry.get("media_marker", DEFAULT_MEDIA_MARKER),
         "llama_cpp": llama_cpp,
     }
-    if entry.get("kind") == "gguf" and entry.get("path") and Path(entry["path"]).is_file():
+    if entry.get("kind") == "gguf" and entry.get("path") and _is_regular_file(entry["path"]):
         return ChatTemplate.from_gguf(entry["path"], **opts)
     return ChatTemplate(
         entry["chat_template"],
@@ -374,7 +397,10 @@ class CheckResult:
         if self.checked == 0:
             lines.append("NOTHING CHECKED: the fixtures hold no case (no template, or templates without cases)")
         for tname, n, message in self.load_failures:
-            lines.append(f"DIFFERS {tname}: does not load now ({message}); its {n} cases not rendered")
+            first, *more = message.strip().splitlines() or [""]  # (llama.cpp's usage text after the error)
+            said = first + (" ..." if more else "")
+            cases = f"its {n} case{'' if n == 1 else 's'} not rendered" if n else "no case recorded"
+            lines.append(f"DIFFERS {tname}: does not load now ({said}); {cases}")
         for tname, recorded, now in self.caps_differences:
             changed = {
                 k: [recorded.get(k), now.get(k)]
@@ -427,7 +453,11 @@ def check_fixtures(
 ) -> CheckResult:
     """Re-render every case of a fixtures document with this build of llama.cpp (or the
     ``llama_cpp`` core) and report the cases whose prompt or error differs (``mask``
-    compares with dates masked)."""
+    compares with dates masked). Raises CoreError when the ``llama_cpp`` core is not installed
+    or was built from other sources (before any template: no template is blamed for it)."""
+    from .cores import find_core
+
+    find_core(llama_cpp)
     result = CheckResult()
     requests = doc["requests"]
     entries = list(doc["templates"].items())
