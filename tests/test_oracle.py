@@ -389,6 +389,8 @@ def test_check_and_diff_read_standard_input(tmp_path, few_doc):
     assert proc.returncode == 0 and b"templates agree" in proc.stdout, proc.stderr
     proc = subprocess.run([*CLI, "diff", "-", "-"], input=data, capture_output=True, text=False)
     assert proc.returncode == 2 and b"cannot both be -" in proc.stderr
+    proc = subprocess.run([*CLI, "check", "-"], input=b"{bad", capture_output=True)
+    assert proc.returncode == 2 and b"ValueError: standard input: not valid JSON" in proc.stderr
 
 
 def test_check_mask_dates(few_doc):

@@ -721,6 +721,11 @@ def _read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def _input_name(path: str) -> str:
+    """An input's name in messages: "standard input" for -."""
+    return "standard input" if path == "-" else path
+
+
 def _one_stdin(*inputs: tuple[str, str]) -> None:
     """UsageError when more than one of the (option, value) inputs is - (standard input)."""
     named = [option for option, value in inputs if value == "-"]
@@ -732,7 +737,7 @@ def _read_json(path: str) -> Any:
     """A JSON input of the command line (requests, messages, a Jinja context): RequestError if
     it is not JSON (or nested too deeply for Python's reader)."""
     try:
-        return fx.json_from_bytes(_read_bytes(path), path)
+        return fx.json_from_bytes(_read_bytes(path), _input_name(path))
     except ValueError as e:
         raise RequestError(str(e)) from None
 
@@ -1209,7 +1214,7 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
     if args.command == "check":
         from .cores import find_core
 
-        doc = fx.load_fixtures(args.fixtures, _read_bytes(args.fixtures))
+        doc = fx.load_fixtures(_input_name(args.fixtures), _read_bytes(args.fixtures))
         core = find_core(args.llama_cpp)  # (CoreError, exit 2: no template is blamed for a missing core)
         made_with = str(doc.get("llama_cpp_commit") or "unknown")
         if not (made_with[:9] == core.commit[:9] and made_with != "unknown"):
@@ -1229,8 +1234,8 @@ def _oracle(args: argparse.Namespace, server_args: list[str]) -> int:
         return 0 if result.ok else 1
     if args.command == "diff":
         _one_stdin(("REFERENCE.json", args.reference), ("OTHER.json", args.other))
-        reference = fx.load_fixtures(args.reference, _read_bytes(args.reference))
-        other = fx.load_other(args.other, _read_bytes(args.other))  # (ValueError: exit 2)
+        reference = fx.load_fixtures(_input_name(args.reference), _read_bytes(args.reference))
+        other = fx.load_other(_input_name(args.other), _read_bytes(args.other))  # (ValueError: exit 2)
         report = fx.diff_fixtures(
             reference, other, context=args.context, mask=args.mask_dates, explain=args.explain, llama_cpp=args.llama_cpp
         )
