@@ -1047,8 +1047,8 @@ def _cores(args: argparse.Namespace) -> int:
         found = cores.installed_core(args.name)
         builds = len(cores.core_build_dirs(found)) if found else 0
         core = cores.remove_core(args.name)
-        kept = f" and {builds} build director{'y' if builds == 1 else 'ies'}" if builds else ""
-        print(f"llamaprompt: removed the llama.cpp {core.label()} core{kept}")
+        also = f" and {builds} build director{'y' if builds == 1 else 'ies'}" if builds else ""
+        print(f"llamaprompt: removed the llama.cpp {core.label()} core{also}")
         return 0
     rows = [cores.builtin_core(), *cores.installed_cores()]
     if args.json:
